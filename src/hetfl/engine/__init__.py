@@ -1,0 +1,1 @@
+"""Engines drive methods: the in-process simulator (and, later, a Flower adapter)."""

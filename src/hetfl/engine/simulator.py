@@ -1,0 +1,275 @@
+"""In-process simulator: drives every method's clients and server on one machine.
+
+For each method in a config it builds a :class:`ServerContext`, sends each (sampled) client the
+method's message, runs the client task through the upload cache, counts the bytes both ways,
+evaluates on the official test split and writes ``DIR/<method>/`` (models, metrics). A
+multi-round method is checkpointed after every round and resumes from there when the same
+config is run again into the same folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+import hetfl
+import hetfl.methods  # noqa: F401  (registers methods and client tasks)
+from hetfl.config import client_archs
+from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
+from hetfl.fl.cache import UploadCache, request_key
+from hetfl.fl.client import ClientEnv, handle
+from hetfl.fl.comm import CommLedger
+from hetfl.fl.method import (
+    Method,
+    OneShotMethod,
+    RoundMethod,
+    ServerContext,
+    create_method,
+    sample_clients,
+)
+from hetfl.fl.payload import Payload, json_safe
+from hetfl.fl.training import TrainConfig, evaluate
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Experiment:
+    """A validated config with its data loaded and partitioned."""
+
+    cfg: dict[str, Any]
+    splits: DatasetSplits
+    partition: Partition
+    archs: list[str]
+    device: torch.device
+    client_data: list[ImageDataset] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client_data = [self.splits.train.subset(torch.from_numpy(idx)) for idx in self.partition.indices]
+
+    def fingerprint(self, client_id: int) -> dict[str, Any]:
+        idx = self.partition.indices[client_id]
+        return {
+            "dataset": self.cfg["dataset"], "data": self.cfg["data"], "partition": self.cfg["partition"],
+            "clients": self.cfg["clients"], "seed": self.cfg["seed"], "client": client_id,
+            "indices": hashlib.sha256(idx.astype(np.int64).tobytes()).hexdigest(),
+        }
+
+
+def prepare(cfg: dict[str, Any], data_root: str | None = None) -> Experiment:
+    """Load the dataset and make the partition (fails early on bad partitions)."""
+    splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
+    partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
+                               num_classes=splits.num_classes)
+    return Experiment(cfg, splits, partition, client_archs(cfg), resolve_device(cfg["device"]))
+
+
+def config_hash(cfg: dict[str, Any], method: str) -> str:
+    keep = {k: v for k, v in cfg.items() if k not in ("methods", "name", "device", "eval_every")}
+    keep["method"] = {method: cfg["methods"][method]}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Simulator:
+    """Runs the methods of one :class:`Experiment` and writes their outputs under ``out_dir``."""
+
+    def __init__(self, exp: Experiment, out_dir: Path, cache_dir: Path | None = None,
+                 quiet: bool = False, resume: bool = True) -> None:
+        self.exp = exp
+        self.out_dir = Path(out_dir)
+        self.cache = UploadCache(cache_dir) if cache_dir else None
+        self.quiet = quiet
+        self.resume = resume
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- helpers lent to methods -------------------------------------------------------------
+    def progress(self, iterable: Any = None, **kw: Any) -> tqdm:
+        return tqdm(iterable, disable=self.quiet, dynamic_ncols=True, leave=False, **kw)
+
+    def _metrics_file(self, method: str) -> Path:
+        return self.out_dir / method / "metrics.jsonl"
+
+    def _log(self, method: str, step: int, **metrics: Any) -> None:
+        with open(self._metrics_file(method), "a") as f:
+            f.write(json.dumps(json_safe({"method": method, "step": step, **metrics})) + "\n")
+
+    def _trim_metrics(self, method: str, keep_until: int) -> None:
+        """Drop rows after step ``keep_until`` (all rows when it is 0): a re-run or a resumed
+        run never duplicates rows."""
+        path = self._metrics_file(method)
+        if path.is_file():
+            rows = [r for r in path.read_text().splitlines() if 0 <= json.loads(r)["step"] <= keep_until]
+            path.write_text("".join(r + "\n" for r in rows))
+
+    def _context(self, name: str, ledger: CommLedger, history: list[float]) -> ServerContext:
+        exp, cfg = self.exp, self.exp.cfg
+        train_cfg = TrainConfig(**{k: v for k, v in cfg["client"].items() if k != "model"})
+
+        def evaluate_model(model: nn.Module, track: bool = True) -> dict[str, Any]:
+            report = evaluate(model, exp.splits.test, exp.device)
+            if track:
+                history.append(report["accuracy"])
+            return report
+
+        def pooled() -> ImageDataset:
+            for cid, data in enumerate(exp.client_data):  # raw data travels: count it
+                ledger.add(0, cid, "up", data.x.numel() * data.x.element_size() + data.y.numel())
+            index = torch.from_numpy(np.concatenate(exp.partition.indices))
+            return exp.splits.train.subset(index)
+
+        method_dir = self.out_dir / name
+        method_dir.mkdir(parents=True, exist_ok=True)
+        return ServerContext(
+            seed=cfg["seed"], num_classes=exp.splits.num_classes, shape=exp.splits.shape,
+            num_clients=cfg["clients"], client_archs=exp.archs, server_arch=cfg["server"]["model"],
+            train_cfg=train_cfg, device=exp.device, out_dir=method_dir, evaluate=evaluate_model,
+            log=lambda step, **m: self._log(name, step, **m), progress=self.progress,
+            pooled_train_data=pooled,
+        )
+
+    def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
+                states: dict[int, dict], cacheable: bool) -> Payload:
+        exp = self.exp
+        ledger.add(round_, cid, "down", message.nbytes)
+        key = request_key(exp.fingerprint(cid), message, exp.device) if cacheable and self.cache else None
+        upload = self.cache.get(key) if key else None
+        if upload is None:
+            start = time.perf_counter()
+            env = ClientEnv(cid, exp.client_data[cid], exp.device, states.setdefault(cid, {}))
+            upload = handle(message, env)
+            upload.meta["seconds"] = time.perf_counter() - start
+            if key:
+                self.cache.put(key, upload, {"fingerprint": exp.fingerprint(cid), "request": message.meta})
+        else:
+            upload.meta["cached"] = True
+        ledger.add(round_, cid, "up", upload.nbytes)
+        return upload
+
+    # ---- drivers -------------------------------------------------------------------------------
+    def _one_shot(self, method: OneShotMethod, ctx: ServerContext, ledger: CommLedger) -> dict[str, nn.Module]:
+        uploads: dict[int, Payload] = {}
+        if method.needs_uploads:
+            bar = self.progress(range(ctx.num_clients), desc=f"{method.name}: local training", unit="client")
+            for cid in bar:
+                uploads[cid] = self._client(cid, method.client_message(cid, ctx), 0, ledger, {}, cacheable=True)
+            ctx.record["client_seconds"] = sum(u.meta.get("seconds", 0.0) for u in uploads.values())
+            ctx.record["cached_uploads"] = sum(bool(u.meta.get("cached")) for u in uploads.values())
+        start = time.perf_counter()
+        models = method.server(uploads, ctx)
+        ctx.record["server_seconds"] = time.perf_counter() - start
+        return models
+
+    def _rounds(self, name: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
+                history: list[float], chash: str) -> dict[str, nn.Module]:
+        method.setup(ctx)
+        ckpt = ctx.out_dir / "checkpoint.safetensors"
+        ckpt_info = ctx.out_dir / "checkpoint.json"
+        start_round = 1
+        if self.resume and ckpt.is_file() and ckpt_info.is_file():
+            info = json.loads(ckpt_info.read_text())
+            if info.get("config_hash") == chash:
+                method.load_state_dict(load_file(str(ckpt), device=str(ctx.device)))
+                start_round = info["round"] + 1
+                history[:] = info["history"]
+                ledger.records[:] = [tuple(r) for r in info["ledger"]]
+                ctx.record["resumed_from_round"] = info["round"]
+        self._trim_metrics(name, start_round - 1)
+        states: dict[int, dict] = {}
+        every = self.exp.cfg["eval_every"]
+        bar = self.progress(range(start_round, method.rounds + 1), desc=f"{method.name}: rounds",
+                            unit="round", initial=start_round - 1, total=method.rounds)
+        for round_ in bar:
+            chosen = sample_clients(ctx.num_clients, method.sample_ratio, round_, ctx.seed)
+            uploads = {cid: self._client(cid, method.client_message(cid, round_, ctx), round_, ledger,
+                                         states, cacheable=False) for cid in chosen}
+            method.aggregate(round_, uploads, ctx)
+            if round_ % every == 0 or round_ == method.rounds:
+                head = next(iter(method.models().values()))
+                report = ctx.evaluate(head)
+                bar.set_postfix(acc=f"{report['accuracy']:.2f}")
+                ctx.log(round_, accuracy=report["accuracy"], clients=chosen,
+                        bytes_up=ledger.total("up"), bytes_down=ledger.total("down"))
+            save_file({k: v.detach().cpu().contiguous() for k, v in method.state_dict().items()}, str(ckpt))
+            ckpt_info.write_text(json.dumps({"config_hash": chash, "round": round_, "history": history,
+                                             "ledger": ledger.records}))
+        return method.models()
+
+    def run_method(self, name: str) -> dict[str, Any]:
+        method: Method = create_method(name, self.exp.cfg["methods"][name])
+        ledger, history = CommLedger(), []
+        ctx = self._context(name, ledger, history)
+        start = time.perf_counter()
+        if isinstance(method, RoundMethod):
+            models = self._rounds(name, method, ctx, ledger, history, config_hash(self.exp.cfg, name))
+        else:
+            self._trim_metrics(name, 0)
+            models = self._one_shot(method, ctx, ledger)
+        seconds = time.perf_counter() - start
+        reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}
+        head = next(iter(models))
+        final = reports[head]
+        save_models(models, ctx.out_dir)
+        (ctx.out_dir / "communication.json").write_text(json.dumps(
+            {"per_client": ledger.per_client(), "per_round": ledger.per_round()}, indent=1))
+        result = {
+            "accuracy": final["accuracy"],
+            "best_accuracy": max([final["accuracy"], *history]),
+            "seconds": seconds,
+            "bytes_up": ledger.total("up"),
+            "bytes_down": ledger.total("down"),
+            "per_class": final["per_class"],
+            **({"models": {k: r["accuracy"] for k, r in reports.items()}} if len(models) > 1 else {}),
+            **ctx.record,
+        }
+        self._log(name, -1, final=True, accuracy=final["accuracy"])
+        return json_safe(result)
+
+    def run(self) -> dict[str, Any]:
+        exp = self.exp
+        (self.out_dir / "partition.json").write_text(json.dumps(exp.partition.stats()))
+        (self.out_dir / "config.json").write_text(json.dumps(exp.cfg, indent=1))
+        results = {}
+        for name in exp.cfg["methods"]:
+            results[name] = self.run_method(name)
+            self.write_summary(results)
+        with open(self.out_dir / "metrics.jsonl", "w") as out:
+            for name in exp.cfg["methods"]:
+                if self._metrics_file(name).is_file():
+                    out.write(self._metrics_file(name).read_text())
+        return self.write_summary(results)
+
+    def write_summary(self, results: dict[str, Any]) -> dict[str, Any]:
+        summary = {
+            "config": self.exp.cfg,
+            "results": results,
+            "clients": {"archs": self.exp.archs, "sizes": self.exp.partition.sizes.tolist()},
+            "environment": {"hetfl": hetfl.__version__, "torch": torch.__version__,
+                            "device": str(self.exp.device), "threads": torch.get_num_threads(),
+                            "machine": platform.machine(), "python": platform.python_version()},
+        }
+        (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
+        return summary
+
+
+def save_models(models: dict[str, nn.Module], folder: Path) -> None:
+    """Each returned model as ``<name>.safetensors`` with its architecture in the metadata."""
+    for key, model in models.items():
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        arch = getattr(model, "arch", type(model).__name__)
+        safe = key.replace("[", "_").replace("]", "")
+        save_file(state, str(folder / f"{safe}.safetensors"), metadata={"arch": str(arch), "name": key})

@@ -1,0 +1,48 @@
+"""Aggregation primitives: weighted parameter averages and logit ensembles."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def normalise(weights: Sequence[float]) -> torch.Tensor:
+    w = torch.as_tensor(list(weights), dtype=torch.float64)
+    if len(w) == 0 or bool((w < 0).any()) or float(w.sum()) <= 0:
+        raise ValueError(f"aggregation weights must be non-negative with a positive sum, got {w.tolist()}")
+    return w / w.sum()
+
+
+def weighted_average(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """``sum_k w_k * theta_k`` per tensor (weights normalised to 1). Integer buffers such as
+    BatchNorm's ``num_batches_tracked`` are averaged and rounded."""
+    if not states:
+        raise ValueError("nothing to average")
+    w = normalise(weights)
+    keys = list(states[0])
+    for s in states[1:]:
+        if list(s) != keys:
+            raise ValueError("cannot average models with different parameter names (heterogeneous architectures)")
+    out = {}
+    for key in keys:
+        stacked = torch.stack([s[key].to(torch.float64) for s in states])
+        mean = torch.tensordot(w, stacked, dims=1)
+        dtype = states[0][key].dtype
+        out[key] = (mean.round() if not dtype.is_floating_point else mean).to(dtype)
+    return out
+
+
+class Ensemble(nn.Module):
+    """Weighted average of member logits (uniform by default): ``sum_k w_k F_k(x)``."""
+
+    def __init__(self, members: Sequence[nn.Module], weights: Sequence[float] | None = None) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        w = normalise(weights if weights is not None else [1.0] * len(members)).float()
+        self.register_buffer("weights", w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([m(x) for m in self.members])  # (k, N, C)
+        return torch.tensordot(self.weights.to(logits.dtype), logits, dims=1)

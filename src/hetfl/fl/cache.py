@@ -1,0 +1,62 @@
+"""Upload cache: client uploads stored as safetensors + JSON under a key of all that determines them.
+
+The key hashes the data fingerprint (dataset, its options, partition spec, number of clients,
+seed, the client's own sample indices), the full request the server sent (task, architecture,
+initial seed, local hyperparameters, any tensors it carried), the cache format version, the
+torch version and the device type. Two methods that send the same request therefore receive
+byte-identical uploads, and a second run skips local training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetfl.fl.payload import Payload, PayloadError
+
+CACHE_VERSION = 1
+
+
+def request_key(fingerprint: dict[str, Any], message: Payload, device: torch.device) -> str:
+    digest = hashlib.sha256()
+    head = {"v": CACHE_VERSION, "torch": torch.__version__, "device": device.type,
+            "data": fingerprint, "meta": message.meta}
+    digest.update(json.dumps(head, sort_keys=True).encode())
+    for name in sorted(message.tensors):
+        digest.update(name.encode())
+        digest.update(message.tensors[name].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class UploadCache:
+    """A folder of ``<key>.safetensors`` uploads with a readable ``<key>.json`` beside each."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.safetensors"
+
+    def get(self, key: str) -> Payload | None:
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            return Payload.from_bytes(path.read_bytes())
+        except PayloadError:
+            path.unlink(missing_ok=True)  # a torn write from an interrupted run: retrain
+            return None
+
+    def put(self, key: str, payload: Payload, describe: dict[str, Any]) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(payload.to_bytes())
+        os.replace(tmp, path)  # atomic: a crash never leaves a half-written upload
+        info = {"key": key, **describe, "meta": payload.meta}
+        path.with_suffix(".json").write_text(json.dumps(info, indent=1, sort_keys=True))

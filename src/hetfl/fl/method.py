@@ -1,0 +1,177 @@
+"""The contract between a method and an engine.
+
+A method is a server part plus client tasks (see :mod:`hetfl.fl.client`). Engines drive it
+through this interface only:
+
+* :class:`OneShotMethod`: the engine sends each client the method's :meth:`client_message`
+  once, collects the uploads (through the upload cache) and calls :meth:`server`, which returns
+  the named global model(s).
+* :class:`RoundMethod`: :meth:`setup`, then per round the engine samples clients, sends
+  :meth:`client_message`, collects uploads and calls :meth:`aggregate`; :meth:`state_dict` and
+  :meth:`load_state_dict` let an engine checkpoint and resume.
+
+The :class:`ServerContext` is what the engine lends the server part: shapes, device, output
+folder, evaluation on the test split, metric logging and progress bars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from hetfl.data.base import ImageDataset
+from hetfl.fl.client import train_message
+from hetfl.fl.payload import Payload
+from hetfl.fl.training import TrainConfig
+from hetfl.models import build_model
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any printable parts (run seed, purpose, client id, ...)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class ServerContext:
+    """Everything the engine lends to a method's server part."""
+
+    seed: int
+    num_classes: int
+    shape: tuple[int, int, int]
+    num_clients: int
+    client_archs: list[str]
+    server_arch: str
+    train_cfg: TrainConfig
+    device: torch.device
+    out_dir: Path
+    evaluate: Callable[[nn.Module], dict[str, Any]]
+    log: Callable[..., None]
+    progress: Callable[..., Any]
+    pooled_train_data: Callable[[], ImageDataset]
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, arch: str, purpose: str = "global") -> nn.Module:
+        """A freshly initialised model, seeded by (run seed, purpose, arch)."""
+        torch.manual_seed(derive_seed(self.seed, purpose, arch))
+        return build_model(arch, self.shape[0], self.shape[1], self.num_classes).to(self.device)
+
+    def init_seed(self, arch: str) -> int:
+        """The shared initial seed of every client of one architecture (as in DENSE's
+        pre-training, all clients of an architecture start from the same weights)."""
+        return derive_seed(self.seed, "client-init", arch)
+
+
+class Method(ABC):
+    """Common part: a name, documented defaults and validated parameters."""
+
+    name: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, params: dict[str, Any] | None = None) -> None:
+        params = dict(params or {})
+        unknown = sorted(set(params) - set(self.defaults) - {"client"})
+        if unknown:
+            raise ValueError(
+                f"method {self.name!r} does not take {unknown}; valid keys: {sorted(self.defaults) + ['client']}"
+            )
+        self.client_overrides: dict[str, Any] = dict(params.pop("client", {}) or {})
+        self.params = {**self.defaults, **params}
+
+    def local_config(self, ctx: ServerContext) -> TrainConfig:
+        """The clients' training config, with this method's ``client:`` overrides applied."""
+        base = ctx.train_cfg.to_dict()
+        unknown = sorted(set(self.client_overrides) - set(base))
+        if unknown:
+            raise ValueError(f"method {self.name!r}: unknown client keys {unknown}; valid: {sorted(base)}")
+        return TrainConfig(**{**base, **self.client_overrides})
+
+
+class OneShotMethod(Method):
+    """One upload per client, then a server-side stage."""
+
+    multi_round: ClassVar[bool] = False
+    needs_uploads: ClassVar[bool] = True  # False: the engine skips the client round (central)
+
+    def client_message(self, client_id: int, ctx: ServerContext) -> Payload:
+        """Default request: train the client's classifier from the shared initialisation."""
+        arch = ctx.client_archs[client_id]
+        return train_message(arch, ctx.shape, ctx.num_classes, self.local_config(ctx),
+                             init_seed=ctx.init_seed(arch),
+                             seed=derive_seed(ctx.seed, "client-train", client_id))
+
+    @abstractmethod
+    def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
+        """Return the named global model(s); the first one is the method's headline result."""
+
+
+class RoundMethod(Method):
+    """T rounds; each samples a fraction of the clients."""
+
+    multi_round: ClassVar[bool] = True
+
+    @property
+    def rounds(self) -> int:
+        return int(self.params.get("rounds", 1))
+
+    @property
+    def sample_ratio(self) -> float:
+        return float(self.params.get("sample_ratio", 1.0))
+
+    @abstractmethod
+    def setup(self, ctx: ServerContext) -> None: ...
+
+    @abstractmethod
+    def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload: ...
+
+    @abstractmethod
+    def aggregate(self, round_: int, uploads: dict[int, Payload], ctx: ServerContext) -> None: ...
+
+    @abstractmethod
+    def models(self) -> dict[str, nn.Module]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors that let an engine resume after an interruption (default: the models)."""
+        return {f"{name}.{k}": v for name, m in self.models().items() for k, v in m.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, model in self.models().items():
+            prefix = f"{name}."
+            model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+
+METHODS: dict[str, Callable[[dict[str, Any]], Method]] = {}
+
+
+def register(name: str) -> Callable:
+    """Class decorator or factory registration under a config name."""
+
+    def deco(obj: Any) -> Any:
+        if name in METHODS:
+            raise ValueError(f"method {name!r} registered twice")
+        METHODS[name] = obj
+        return obj
+
+    return deco
+
+
+def create_method(name: str, params: dict[str, Any] | None) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+    return METHODS[name](params or {})
+
+
+def sample_clients(num_clients: int, ratio: float, round_: int, seed: int) -> list[int]:
+    """``max(1, round(ratio * N))`` distinct clients for this round, seeded by (seed, round)."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"sample_ratio must be in (0, 1], got {ratio}")
+    k = max(1, int(round(ratio * num_clients)))
+    g = torch.Generator().manual_seed(derive_seed(seed, "sample", round_))
+    return sorted(torch.randperm(num_clients, generator=g)[:k].tolist())
+

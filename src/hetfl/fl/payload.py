@@ -1,0 +1,96 @@
+"""Typed payloads: what travels between a client and the server.
+
+A :class:`Payload` is named tensors plus small JSON metadata (task, client id, sample count,
+label histogram, architecture, hyperparameters). Its wire form is one safetensors blob whose
+``__metadata__`` holds the JSON under the key ``hetfl``: no pickle anywhere, so an upload from an
+untrusted client can be parsed safely, and ``len(payload.to_bytes())`` is the exact number of bytes
+a transport sends. The same payloads are used by the in-process simulator and by the Flower
+adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+META_KEY = "hetfl"
+
+
+class PayloadError(ValueError):
+    """A payload is malformed: wrong names, shapes or dtypes, non-finite values, bad metadata."""
+
+
+@dataclass
+class Payload:
+    """Named tensors and JSON-serialisable metadata."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
+        return st_save(tensors, metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Payload:
+        try:
+            tensors = st_load(blob)
+            header_len = int.from_bytes(blob[:8], "little")
+            header = json.loads(blob[8 : 8 + header_len])
+            meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
+        except Exception as err:  # safetensors raises several error types
+            raise PayloadError(f"not a hetfl payload (safetensors + JSON metadata): {err}") from err
+        if not isinstance(meta, dict):
+            raise PayloadError("payload metadata must be a JSON object")
+        return cls(tensors, meta)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire (safetensors header + tensor data)."""
+        return len(self.to_bytes())
+
+    def validate(self, expected: Mapping[str, torch.Size | tuple[int, ...]] | None = None,
+                 required_meta: tuple[str, ...] = ()) -> None:
+        """Raise :class:`PayloadError` unless names/shapes match ``expected`` and values are finite."""
+        missing = [k for k in required_meta if k not in self.meta]
+        if missing:
+            raise PayloadError(f"metadata lacks {missing}")
+        if expected is not None:
+            want, got = set(expected), set(self.tensors)
+            if want != got:
+                raise PayloadError(
+                    f"tensor names differ: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}"
+                )
+            for name, shape in expected.items():
+                if tuple(self.tensors[name].shape) != tuple(shape):
+                    raise PayloadError(
+                        f"tensor {name!r} has shape {tuple(self.tensors[name].shape)}, expected {tuple(shape)}"
+                    )
+        for name, tensor in self.tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise PayloadError(f"tensor {name!r} has NaN or inf values")
+
+
+def state_payload(module: torch.nn.Module, **meta: Any) -> Payload:
+    """A model's full state (parameters and buffers) as a payload."""
+    return Payload({k: v.detach().clone().cpu() for k, v in module.state_dict().items()}, dict(meta))
+
+
+def json_safe(value: Any) -> Any:
+    """Convert numpy/torch scalars and arrays into plain JSON types."""
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,45 @@
+"""LeNet-5 (LeCun et al., 1998) as used for MNIST/FMNIST by Co-Boosting (Dai et al., ICLR 2024).
+
+Conv5x5(6)-ReLU-MaxPool ; Conv5x5(16)-ReLU-MaxPool ; FC 120-ReLU ; FC 84-ReLU ; FC C.
+Inputs smaller than 32 px (e.g. 28 px MNIST) pad the first conv by 2, so that 28 px
+inputs give the classic 16x5x5 map.  ``extract`` returns the 84-d vector.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .base import HetflModel, probe_shape
+
+
+class LeNet5(HetflModel):
+    arch = "lenet5"
+    min_image_size = 12  # padded: 12 -> 12 -> 6 -> 2 -> 1
+
+    def __init__(self, in_channels: int, image_size: int, num_classes: int) -> None:
+        super().__init__(in_channels, image_size, num_classes)
+        pad = 2 if image_size < 32 else 0
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5, padding=pad),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        (flat,) = probe_shape(self.conv, self, in_channels, image_size)
+        self.fc = nn.Sequential(
+            nn.Linear(flat, 120),
+            nn.ReLU(inplace=True),
+            nn.Linear(120, 84),
+            nn.ReLU(inplace=True),
+        )
+        self.head = nn.Linear(84, num_classes)
+        self._record_feature_shape()
+
+    def extract(self, x: Tensor) -> Tensor:
+        return self.fc(self.conv(x))
+
+    def classify(self, h: Tensor) -> Tensor:
+        return self.head(h)

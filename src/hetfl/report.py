@@ -1,0 +1,120 @@
+"""Tables and plots of a run: the results table, the partition bubble plot (FedHydra Fig. 9),
+accuracy curves per method and a bar chart of the final results."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """A fixed-width table: method, final and best accuracy, seconds, bytes up and down."""
+    header = f"{'method':<14} {'acc %':>7} {'best %':>7} {'seconds':>9} {'bytes up':>11} {'bytes down':>11}"
+    lines = [header, "-" * len(header)]
+    for name, r in results.items():
+        lines.append(f"{name:<14} {r['accuracy']:>7.2f} {r['best_accuracy']:>7.2f} {r['seconds']:>9.1f} "
+                     f"{human_bytes(r['bytes_up']):>11} {human_bytes(r['bytes_down']):>11}")
+        for sub, acc in (r.get("models") or {}).items():
+            if sub != name:
+                lines.append(f"  {sub:<12} {acc:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
+    """Bubble plot: one column per client, one row per class, area proportional to the count."""
+    counts = np.asarray(counts)
+    m, c = counts.shape
+    clients, classes = np.meshgrid(np.arange(m), np.arange(c), indexing="ij")
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * m + 2), max(3, 0.35 * c + 1.5)))
+    sizes = 900 * counts / max(counts.max(), 1)
+    ax.scatter(clients.ravel(), classes.ravel(), s=sizes.ravel(), alpha=0.6, color="tab:red", edgecolors="k",
+               linewidths=0.3)
+    ax.set_xticks(range(m), [str(i) for i in range(m)] if m <= 30 else None)
+    ax.set_yticks(range(c))
+    ax.set_xlabel("client")
+    ax.set_ylabel("class")
+    ax.set_xlim(-0.7, m - 0.3)
+    ax.set_ylim(-0.7, c - 0.3)
+    ax.set_title(title or f"samples per client and class (max {counts.max()})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
+    curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step", -1) >= 0 and row.get("accuracy") is not None:
+                curves[row["method"]].append((row["step"], row["accuracy"]))
+    return curves
+
+
+def plot_curves(metrics_file: Path, path: Path) -> bool:
+    """Test accuracy against round/epoch for every method that logged more than one point."""
+    curves = {k: v for k, v in read_curves(metrics_file).items() if len(v) > 1}
+    if not curves:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in curves.items():
+        steps, accs = zip(*points)
+        ax.plot(steps, accs, label=name, marker="." if len(points) < 40 else None)
+    ax.set_xlabel("round / epoch")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_results(results: dict[str, dict[str, Any]], path: Path, title: str = "") -> None:
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(names) + 1), 3.5))
+    final = [results[n]["accuracy"] for n in names]
+    best = [results[n]["best_accuracy"] for n in names]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, final, 0.4, label="final")
+    ax.bar(x + 0.2, best, 0.4, label="best over evaluations")
+    for xi, v in zip(x, final):
+        ax.text(xi - 0.2, v + 0.5, f"{v:.1f}", ha="center", fontsize=8)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+    out_dir = Path(out_dir)
+    written = []
+    part = json.loads((out_dir / "partition.json").read_text())
+    plot_partition(np.array(part["counts"]), out_dir / "partition.png", summary["config"].get("name", ""))
+    written.append(out_dir / "partition.png")
+    if plot_curves(out_dir / "metrics.jsonl", out_dir / "accuracy.png"):
+        written.append(out_dir / "accuracy.png")
+    if summary["results"]:
+        plot_results(summary["results"], out_dir / "results.png", summary["config"].get("name", ""))
+        written.append(out_dir / "results.png")
+    return written

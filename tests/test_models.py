@@ -1,0 +1,207 @@
+"""Tests for the model zoo (hetfl.models): shapes, extract/classify split, determinism,
+parameter counts, channels_last, errors and FLOP counting."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hetfl.models import (
+    MODEL_NAMES,
+    HetflModel,
+    ModelSpec,
+    build_model,
+    count_flops,
+    count_parameters,
+    get_model_class,
+)
+
+NUM_CLASSES = 10
+INPUTS = [(1, 28), (3, 28), (1, 32), (3, 32), (1, 64), (3, 64)]  # (channels, image size)
+
+
+def images(channels: int, size: int, n: int = 2, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(n, channels, size, size, generator=gen)
+
+
+def build(name: str, channels: int = 3, size: int = 32, seed: int = 0) -> HetflModel:
+    torch.manual_seed(seed)
+    return build_model(name, channels, size, NUM_CLASSES)
+
+
+def test_registry_names() -> None:
+    assert list(MODEL_NAMES) == sorted(MODEL_NAMES)
+    assert set(MODEL_NAMES) == {
+        "cnn2",
+        "cnn3",
+        "googlenet",
+        "lenet5",
+        "mobilenetv2",
+        "resnet18",
+        "shufflenetv2",
+        "simplecnn",
+        "vgg9",
+    }
+
+
+@pytest.mark.parametrize(("channels", "size"), INPUTS)
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_forward_every_input(name: str, channels: int, size: int) -> None:
+    model = build(name, channels, size)
+    assert isinstance(model, HetflModel)
+    assert (model.arch, model.in_channels, model.image_size, model.num_classes) == (
+        name,
+        channels,
+        size,
+        NUM_CLASSES,
+    )
+    n = 1 if name == "vgg9" and size == 64 else 2
+    x = images(channels, size, n)
+    out = model(x)  # train mode
+    assert out.shape == (n, NUM_CLASSES)
+    assert torch.isfinite(out).all()
+    model.eval()
+    with torch.no_grad():
+        h = model.extract(x)
+    assert tuple(h.shape[1:]) == model.feature_shape
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_forward_is_classify_of_extract(name: str) -> None:
+    model = build(name).eval()
+    x = images(3, 32)
+    with torch.no_grad():
+        out = model(x)
+        split = model.classify(model.extract(x))
+    assert torch.allclose(out, split, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_backward_reaches_every_parameter(name: str) -> None:
+    model = build(name)
+    model(images(3, 32)).sum().backward()
+    missing = [k for k, p in model.named_parameters() if p.grad is None]
+    assert not missing
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_same_seed_same_weights(name: str) -> None:
+    a = build(name, 1, 28, seed=1).state_dict()
+    b = build(name, 1, 28, seed=1).state_dict()
+    c = build(name, 1, 28, seed=2).state_dict()
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_construction_has_no_side_effects(name: str) -> None:
+    """The dummy forward at construction must not touch BN statistics or the mode."""
+    model = build(name, 1, 28)
+    assert model.training
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            assert m.num_batches_tracked.item() == 0
+            assert torch.equal(m.running_mean, torch.zeros_like(m.running_mean))
+            assert torch.equal(m.running_var, torch.ones_like(m.running_var))
+
+
+def test_parameter_counts() -> None:
+    cnn2 = build("cnn2", 1, 28)
+    # convs 416 + 12,832, BN 32 + 64, Linear 32*7*7*10 + 10 = 15,690
+    assert count_parameters(cnn2) == 29_034
+    assert abs(count_parameters(cnn2) - 29_000) <= 0.10 * 29_000
+
+    cnn3 = build("cnn3", 3, 32)
+    # convs 3,584 + 147,584 + 147,584, Linear 128*4*4*10 + 10 = 20,490
+    assert count_parameters(cnn3) == 319_242
+    assert abs(count_parameters(cnn3) - 319_000) <= 0.10 * 319_000
+
+    vgg9 = build("vgg9", 1, 28)
+    # conv 1->64: 9*64 + 64 = 640;  64->128: 9*64*128 + 128 = 73,856
+    # 128->256: 9*128*256 + 256 = 295,168;  256->256: 9*256*256 + 256 = 590,080
+    # FC 12544->4096: 51,380,224 + 4,096 = 51,384,320;  4096->4096: 16,777,216 + 4,096
+    # = 16,781,312;  4096->10: 40,960 + 10 = 40,970.   Sum: 69,166,346.
+    assert count_parameters(vgg9) == 69_166_346
+    assert abs(count_parameters(vgg9) - 69_000_000) <= 0.05 * 69_000_000
+
+    assert count_parameters(cnn2) == sum(p.numel() for p in cnn2.parameters())
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_channels_last_matches_contiguous(name: str) -> None:
+    model = build(name).eval()
+    x = images(3, 32)
+    with torch.no_grad():
+        ref = model(x)
+        out_input_only = model(x.to(memory_format=torch.channels_last))
+        model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        out = model_cl(x.to(memory_format=torch.channels_last))
+        h = model_cl.extract(x.to(memory_format=torch.channels_last))
+    assert torch.allclose(out_input_only, ref, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+    assert tuple(h.shape[1:]) == model.feature_shape
+
+
+def test_unknown_name() -> None:
+    with pytest.raises(ValueError, match="unknown model 'foo'; choose one of: cnn2, cnn3, ") as e:
+        build_model("foo", 3, 32, 10)
+    assert all(name in str(e.value) for name in MODEL_NAMES)
+
+
+def test_too_small_image() -> None:
+    with pytest.raises(ValueError, match=r"model 'cnn3' cannot take image_size=16"):
+        build_model("cnn3", 3, 16, 10)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_smallest_image(name: str) -> None:
+    smallest = get_model_class(name).min_image_size
+    model = build(name, 3, smallest)
+    assert model(images(3, smallest)).shape == (2, NUM_CLASSES)
+    with pytest.raises(ValueError, match=f"'{name}'.*image_size={smallest - 1}"):
+        build_model(name, 3, smallest - 1, NUM_CLASSES)
+
+
+@pytest.mark.parametrize(("channels", "size"), INPUTS)
+def test_simplecnn_feature_map(channels: int, size: int) -> None:
+    model = build("simplecnn", channels, size).eval()
+    assert model.feature_shape == (16, 5, 5)
+    with torch.no_grad():
+        assert model.extract(images(channels, size)).shape == (2, 16, 5, 5)
+        h = torch.rand(3, 16, 5, 5)  # e.g. KDIA's generated feature maps
+        assert model.classify(h).shape == (3, NUM_CLASSES)
+        z = model.projection(h)
+        assert z.shape == (3, 256)
+        assert torch.allclose(model.classify(h), model.head(z))
+
+
+def test_model_spec_round_trip() -> None:
+    spec = ModelSpec("lenet5", 1, 28, NUM_CLASSES)
+    torch.manual_seed(3)
+    model = spec.build()
+    assert model.spec == spec
+    assert model.feature_shape == (84,)
+    with pytest.raises(ValueError, match="unknown model"):
+        ModelSpec("nope", 1, 28, NUM_CLASSES).build()
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_count_flops_positive(name: str) -> None:
+    model = build(name)
+    flops = count_flops(model, 3, 32)
+    assert isinstance(flops, int)
+    assert flops > 0
+    assert model.training  # mode restored
+
+
+def test_count_flops_orders_models() -> None:
+    cnn2 = count_flops(build("cnn2"), 3, 32)
+    resnet18 = count_flops(build("resnet18"), 3, 32)
+    assert cnn2 < resnet18
+    # 2 FLOPs per MAC: the final Linear of cnn2 alone is 2 * 2048 * 10
+    assert cnn2 >= 2 * 2048 * NUM_CLASSES
