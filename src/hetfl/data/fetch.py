@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import pickle
 import shutil
 import struct
@@ -61,9 +62,11 @@ def write_idx(path: Path, array: np.ndarray) -> None:
     """Write a uint8 array as a gzipped IDX file (magic 0x00000800 + ndim, big-endian dims)."""
     array = np.ascontiguousarray(array, dtype=np.uint8)
     header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb", compresslevel=6) as f:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as f:
         f.write(header)
         f.write(array.tobytes())
+    os.replace(tmp, path)  # atomic: an interrupted fetch never leaves a truncated file behind
 
 
 def _complete(folder: Path) -> bool:
@@ -97,7 +100,8 @@ def fetch_fmnist(root: Path, log: Callable[[str], None] = print) -> Path:
             got = sha256(source / name)
             if got != expected:
                 raise FetchError(f"{source / name}: sha256 {got} != expected {expected}")
-            shutil.copyfile(source / name, target / name)
+            shutil.copyfile(source / name, target / f"{name}.part")
+            os.replace(target / f"{name}.part", target / name)  # atomic
     log(f"fashion-mnist: wrote {target}")
     return target
 
@@ -115,6 +119,9 @@ def convert_mnist_pickle(pkl_gz: Path, target: Path) -> None:
             raise FetchError(f"{pkl_gz}: pixel values are not k/256; not the classic MNIST pickle")
         return as_int.astype(np.uint8).reshape(-1, 28, 28)
 
+    labels = [np.asarray(y) for y in (y_tr, y_va, y_te)]
+    if any(y.min() < 0 or y.max() > 9 for y in labels):
+        raise FetchError(f"{pkl_gz}: labels outside 0..9; not the classic MNIST pickle")
     target.mkdir(parents=True, exist_ok=True)
     write_idx(target / "train-images-idx3-ubyte.gz", np.concatenate([to_uint8(x_tr), to_uint8(x_va)]))
     write_idx(target / "train-labels-idx1-ubyte.gz", np.concatenate([y_tr, y_va]).astype(np.uint8))

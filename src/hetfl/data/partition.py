@@ -27,6 +27,7 @@ Kinds (``spec["kind"]``):
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,22 +62,33 @@ class Partition:
         return {"num_classes": self.num_classes, "counts": self.counts.tolist()}
 
 
-def _check_common(labels: np.ndarray, num_clients: int, num_classes: int) -> None:
-    if num_clients < 1:
-        raise PartitionError(f"clients must be >= 1, got {num_clients}")
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_common(labels: np.ndarray, num_clients: int, num_classes: int | None) -> int:
+    """Validate labels and client count; return the number of classes."""
+    if labels.ndim != 1:
+        raise PartitionError(f"labels must be a 1-d array, got shape {labels.shape}")
+    if not _is_int(num_clients) or num_clients < 1:
+        raise PartitionError(f"clients must be a positive integer, got {num_clients!r}")
     if num_clients > len(labels):
         raise PartitionError(f"{num_clients} clients but only {len(labels)} training samples")
-    if num_classes < 1 or (len(labels) and labels.max() >= num_classes):
-        raise PartitionError(f"labels exceed num_classes={num_classes}")
+    if labels.min() < 0:
+        raise PartitionError(f"labels must be >= 0, got {labels.min()}")
+    c = int(num_classes) if num_classes is not None else int(labels.max()) + 1
+    if labels.max() >= c:
+        raise PartitionError(f"labels reach {labels.max()} but num_classes={c}")
+    return c
 
 
 def _positive(spec: dict[str, Any], key: str) -> float:
     if key not in spec:
         raise PartitionError(f"partition kind '{spec['kind']}' needs '{key}'")
-    value = float(spec[key])
-    if not value > 0 or not np.isfinite(value):
-        raise PartitionError(f"partition '{key}' must be > 0, got {spec[key]!r}")
-    return value
+    value = spec[key]
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (value > 0 and np.isfinite(value)):
+        raise PartitionError(f"partition '{key}' must be a number > 0, got {value!r}")
+    return float(value)
 
 
 def _min_size(spec: dict[str, Any], n: int, m: int) -> int:
@@ -126,7 +138,7 @@ def _dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Ge
 
 
 def _classes(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
-    per_client = int(spec.get("per_client", 0))
+    per_client = int(spec["per_client"])
     if not 1 <= per_client <= c:
         raise PartitionError(f"classes(per_client={spec.get('per_client')}) needs 1 <= C <= {c}")
     owned: list[list[int]] = []
@@ -184,6 +196,15 @@ def validate_spec(spec: dict[str, Any]) -> None:
         raise PartitionError(
             f"partition '{kind}' does not take {sorted(extra)}; valid keys: {sorted(ALLOWED_KEYS[kind])}"
         )
+    if kind in ("dirichlet", "quantity"):
+        _positive(spec, "alpha")
+        raw = spec.get("min_size", 10)
+        if raw != "half" and not (_is_int(raw) and raw >= 0):
+            raise PartitionError(f"min_size must be a non-negative integer or 'half', got {raw!r}")
+    if kind == "dirichlet" and not isinstance(spec.get("balance", True), (bool, np.bool_)):
+        raise PartitionError(f"balance must be true or false, got {spec['balance']!r}")
+    if kind == "classes" and not (_is_int(spec.get("per_client")) and spec["per_client"] >= 1):
+        raise PartitionError(f"classes needs per_client >= 1, got {spec.get('per_client')!r}")
 
 
 def make_partition(
@@ -192,8 +213,7 @@ def make_partition(
     """Split sample indices among ``num_clients`` clients as ``spec`` says, seeded by ``seed``."""
     validate_spec(spec)
     labels = np.asarray(labels, dtype=np.int64)
-    c = int(num_classes if num_classes is not None else labels.max() + 1)
-    _check_common(labels, num_clients, c)
+    c = _check_common(labels, num_clients, num_classes)
     rng = np.random.default_rng([seed, 0x9A27])
     kind = spec["kind"]
     if kind == "iid":

@@ -52,6 +52,14 @@ class UploadCache:
             path.unlink(missing_ok=True)  # a torn write from an interrupted run: retrain
             return None
 
+    def info(self, key: str) -> dict[str, Any]:
+        """The JSON written beside an upload (fingerprint, request, training seconds)."""
+        path = self._path(key).with_suffix(".json")
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
     def put(self, key: str, payload: Payload, describe: dict[str, Any]) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)

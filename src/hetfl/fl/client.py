@@ -28,6 +28,7 @@ class ClientEnv:
     data: ImageDataset
     device: torch.device
     state: dict[str, Any] = field(default_factory=dict)
+    progress: Callable[[int, float], None] | None = None  # (epoch, loss) callback for progress bars
 
 
 ClientTask = Callable[[Payload, ClientEnv], Payload]
@@ -87,5 +88,5 @@ def train_classifier(message: Payload, env: ClientEnv) -> Payload:
     """Plain local SGD on the client's data; upload the full model state."""
     model = model_from_message(message)
     cfg = TrainConfig(**message.meta["train"])
-    stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]))
+    stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress)
     return state_payload(model.cpu(), arch=message.meta["arch"], train_loss=stats["loss"])

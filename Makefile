@@ -1,0 +1,30 @@
+# hetfl: `make demo` and `make test` do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hetfl-installed
+DATA   ?= data
+
+.PHONY: install data demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+data: install
+	$(BIN)/hetfl data fetch mnist fmnist --root $(DATA)
+
+demo: data
+	$(BIN)/hetfl run configs/demo-mnist.yaml --data-root $(DATA) --out runs/demo-mnist
+
+lint: install
+	$(BIN)/ruff check src tests
+
+test: data lint
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf runs cache .pytest_cache

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny synthetic data and configs that train in a second or two."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetfl.data.synthetic import load_synthetic
+
+torch.set_num_threads(2)
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_ROOT = REPO / "data"
+
+
+def has_real_data(name: str) -> bool:
+    folder = {"mnist": "mnist", "fmnist": "fashion-mnist"}[name]
+    return (DATA_ROOT / folder / "t10k-labels-idx1-ubyte.gz").is_file()
+
+
+TINY_CONFIG = {
+    "name": "tiny",
+    "seed": 0,
+    "dataset": "synthetic",
+    "data": {"train_per_class": 40, "test_per_class": 20, "size": 16, "classes": 4, "noise": 0.2},
+    "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5},
+    "clients": 3,
+    "client": {"model": "cnn2", "epochs": 3, "batch_size": 32, "lr": 0.1},
+    "server": {"model": "cnn2"},
+    "methods": {"fedavg": {}, "ensemble": {}},
+}
+
+
+@pytest.fixture
+def tiny_config() -> dict:
+    return copy.deepcopy(TINY_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def synthetic_small():
+    return load_synthetic(classes=4, channels=1, size=16, train_per_class=60, test_per_class=30, seed=3)

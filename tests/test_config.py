@@ -1,0 +1,72 @@
+import pytest
+import yaml
+
+from hetfl.config import ConfigError, apply_overrides, client_archs, load_config, validate
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_defaults_are_filled(tiny_config):
+    cfg = validate(tiny_config)
+    assert cfg["device"] == "auto" and cfg["eval_every"] == 1 and cfg["data_root"] == "data"
+    assert cfg["methods"] == {"fedavg": {}, "ensemble": {}}
+
+
+def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
+    cfg = load_config(write(tmp_path, tiny_config), ["client.epochs=7", "partition.alpha=0.1",
+                                                    "methods.fedavg.rounds=3", "client.model=[cnn2, lenet5]"])
+    assert cfg["client"]["epochs"] == 7 and isinstance(cfg["client"]["epochs"], int)
+    assert cfg["partition"]["alpha"] == 0.1
+    assert cfg["methods"]["fedavg"] == {"rounds": 3}
+    assert client_archs(cfg) == ["cnn2", "lenet5", "cnn2"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("bogus=1", "unknown key 'bogus'"),
+        ("client.epochz=1", r"client: unknown key\(s\) \['epochz'\]"),
+        ("dataset=imagenet", "unknown 'imagenet'; choose one of: mnist, fmnist"),
+        ("client.model=resnet999", "unknown model 'resnet999'; choose one of: cnn2"),
+        ("server.model=nope", "server.model: unknown model 'nope'"),
+        ("partition.kind=shards", "unknown partition kind 'shards'; choose one of: iid, dirichlet"),
+        ("partition.alpha=0", "'alpha' must be a number > 0"),
+        ("partition.beta=1", "does not take"),
+        ("methods.fedavg.mu=1", "method 'fedavg' does not take \\['mu'\\]"),
+        ("methods.fedavg.rounds=0", "rounds must be a positive integer"),
+        ("methods.nope={}", "unknown method 'nope'; choose one of: central, ensemble, fedavg"),
+        ("clients=0", "clients must be a positive integer"),
+        ("client.lr=-1", "bad local training config"),
+        ("client.precision=fp8", "precision must be fp32 or bf16"),
+        ("eval_every=0", "eval_every must be a positive integer"),
+    ],
+)
+def test_bad_configs_fail_with_the_documented_message(tmp_path, tiny_config, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, tiny_config), [override])
+
+
+def test_missing_required_keys_and_files(tmp_path, tiny_config):
+    del tiny_config["methods"]
+    with pytest.raises(ConfigError, match="'methods' is required"):
+        load_config(write(tmp_path, tiny_config))
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    (tmp_path / "bad.yaml").write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["noequals"])
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert configs, "the repository ships example configs"
+    for path in configs:
+        load_config(path)

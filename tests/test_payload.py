@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from hetfl.fl.aggregate import Ensemble, weighted_average
+from hetfl.fl.comm import CommLedger
+from hetfl.fl.payload import Payload, PayloadError, state_payload
+from hetfl.models import build_model
+
+
+def make_payload() -> Payload:
+    torch.manual_seed(0)
+    return Payload({"w": torch.randn(3, 4), "n": torch.arange(5)},
+                   {"client_id": 2, "num_samples": 17, "label_counts": [1, 16], "arch": "cnn2"})
+
+
+def test_roundtrip_is_exact_and_bytes_are_the_wire_size():
+    p = make_payload()
+    blob = p.to_bytes()
+    q = Payload.from_bytes(blob)
+    assert q.meta == p.meta
+    assert set(q.tensors) == {"w", "n"}
+    assert torch.equal(q.tensors["w"], p.tensors["w"]) and torch.equal(q.tensors["n"], p.tensors["n"])
+    assert p.nbytes == len(blob)
+    # data bytes are all there: 12 float32 + 5 int64, plus a header
+    assert p.nbytes >= 12 * 4 + 5 * 8
+
+
+def test_from_bytes_rejects_garbage_without_unpickling():
+    import pickle
+
+    with pytest.raises(PayloadError, match="not a hetfl payload"):
+        Payload.from_bytes(pickle.dumps({"w": 1}))
+    with pytest.raises(PayloadError):
+        Payload.from_bytes(b"\x00" * 3)
+
+
+def test_validate_names_shapes_and_finite_values():
+    p = make_payload()
+    p.validate({"w": (3, 4), "n": (5,)}, required_meta=("num_samples",))
+    with pytest.raises(PayloadError, match="missing"):
+        p.validate({"w": (3, 4), "n": (5,), "b": (1,)})
+    with pytest.raises(PayloadError, match="shape"):
+        p.validate({"w": (4, 3), "n": (5,)})
+    with pytest.raises(PayloadError, match="lacks"):
+        p.validate(required_meta=("arch", "seconds"))
+    p.tensors["w"][0, 0] = float("nan")
+    with pytest.raises(PayloadError, match="NaN or inf"):
+        p.validate()
+    p.tensors["w"][0, 0] = float("inf")
+    with pytest.raises(PayloadError, match="NaN or inf"):
+        p.validate()
+
+
+def test_state_payload_carries_every_parameter_and_buffer():
+    model = build_model("cnn2", 1, 28, 10)
+    p = state_payload(model, arch="cnn2")
+    assert set(p.tensors) == set(model.state_dict())
+    assert any("running_mean" in k for k in p.tensors)
+
+
+def test_weighted_average_matches_hand_computation_and_weights_sum_to_one():
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(10)}
+    b = {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor(20)}
+    avg = weighted_average([a, b], [1, 3])  # weights 0.25 / 0.75
+    assert torch.allclose(avg["w"], torch.tensor([2.5, 5.0]))
+    assert avg["n"].dtype == torch.int64 and int(avg["n"]) == 18  # 17.5 rounds to even
+    same = weighted_average([a, b], [100, 300])
+    assert torch.equal(same["w"], avg["w"])
+    with pytest.raises(ValueError, match="non-negative"):
+        weighted_average([a, b], [1, -1])
+    with pytest.raises(ValueError, match="different parameter names"):
+        weighted_average([a, {"v": torch.zeros(2), "n": torch.tensor(1)}], [1, 1])
+
+
+def test_ensemble_is_the_weighted_mean_of_member_logits():
+    torch.manual_seed(0)
+    members = [build_model("cnn2", 1, 16, 4).eval(), build_model("lenet5", 1, 16, 4).eval()]
+    x = torch.rand(5, 1, 16, 16)
+    with torch.no_grad():
+        expected = (members[0](x) + members[1](x)) / 2
+        assert torch.allclose(Ensemble(members)(x), expected, atol=1e-6)
+        weighted = Ensemble(members, [1, 3])(x)
+        assert torch.allclose(weighted, 0.25 * members[0](x) + 0.75 * members[1](x), atol=1e-6)
+
+
+def test_ledger_totals_per_client_and_round():
+    ledger = CommLedger()
+    ledger.add(1, 0, "down", 10)
+    ledger.add(1, 0, "up", 7)
+    ledger.add(2, 1, "up", 5)
+    assert ledger.total("up") == 12 and ledger.total("down") == 10
+    assert ledger.per_client() == {0: {"up": 7, "down": 10}, 1: {"up": 5, "down": 0}}
+    assert ledger.per_round() == [{"round": 1, "up": 7, "down": 10}, {"round": 2, "up": 5, "down": 0}]
+    with pytest.raises(ValueError):
+        ledger.add(1, 0, "sideways", 1)

@@ -1,0 +1,176 @@
+"""End-to-end behaviour of the in-process simulator on tiny synthetic data."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hetfl.cli import main
+from hetfl.config import validate
+from hetfl.engine.simulator import Simulator, prepare
+from hetfl.fl.cache import UploadCache
+from hetfl.fl.payload import Payload
+
+
+def run(cfg, out, cache=None, **kw):
+    cfg = validate(cfg)
+    return Simulator(prepare(cfg), out, cache, quiet=True, **kw).run()
+
+
+def test_summary_and_outputs(tmp_path, tiny_config):
+    tiny_config["methods"]["central"] = {"client": {"epochs": 3}}
+    summary = run(tiny_config, tmp_path / "run")
+    res = summary["results"]
+    assert list(res) == ["fedavg", "ensemble", "central"]
+    for r in res.values():
+        assert set(r) >= {"accuracy", "best_accuracy", "seconds", "bytes_up", "bytes_down"}
+        assert 0 <= r["accuracy"] <= r["best_accuracy"] <= 100
+    assert res["central"]["accuracy"] > 60  # 4 classes: chance is 25
+    part = json.loads((tmp_path / "run" / "partition.json").read_text())
+    assert part["num_classes"] == 4 and sum(map(sum, part["counts"])) == 160
+    assert (tmp_path / "run" / "fedavg" / "fedavg.safetensors").is_file()
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["config"]["name"] == "tiny" and saved["results"].keys() == res.keys()
+
+
+def test_bytes_counted_equal_payload_sizes(tmp_path, tiny_config):
+    cache = tmp_path / "cache"
+    summary = run(tiny_config, tmp_path / "run", cache)
+    blobs = sorted(cache.rglob("*.safetensors"))
+    assert len(blobs) == 3  # one upload per client, shared by fedavg and ensemble
+    total = sum(len(p.read_bytes()) for p in blobs)
+    for name in ("fedavg", "ensemble"):
+        assert summary["results"][name]["bytes_up"] == total
+        assert summary["results"][name]["bytes_down"] > 0
+    comm = json.loads((tmp_path / "run" / "fedavg" / "communication.json").read_text())
+    assert sum(c["up"] for c in comm["per_client"].values()) == total
+
+
+def test_cache_returns_identical_uploads_and_skips_training(tmp_path, tiny_config):
+    cache = tmp_path / "cache"
+    first = run(tiny_config, tmp_path / "a", cache)
+    blobs = {p: p.read_bytes() for p in cache.rglob("*.safetensors")}
+    second = run(tiny_config, tmp_path / "b", cache)
+    assert {p: p.read_bytes() for p in cache.rglob("*.safetensors")} == blobs
+    assert second["results"]["fedavg"]["cached_uploads"] == 3
+    assert second["results"]["fedavg"]["accuracy"] == first["results"]["fedavg"]["accuracy"]
+    a = load_file(str(tmp_path / "a" / "fedavg" / "fedavg.safetensors"))
+    b = load_file(str(tmp_path / "b" / "fedavg" / "fedavg.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a different local hyperparameter is a different key: retrain
+    tiny_config["client"]["lr"] = 0.02
+    third = run(tiny_config, tmp_path / "c", cache)
+    assert third["results"]["fedavg"]["cached_uploads"] == 0
+    assert len(list(cache.rglob("*.safetensors"))) == 6
+
+
+def test_torn_cache_entry_is_retrained(tmp_path):
+    cache = UploadCache(tmp_path)
+    cache.put("ab" + "0" * 62, Payload({"w": torch.ones(2)}, {"x": 1}), {})
+    assert cache.get("ab" + "0" * 62).meta == {"x": 1}
+    path = next(tmp_path.rglob("*.safetensors"))
+    path.write_bytes(path.read_bytes()[:10])
+    assert cache.get("ab" + "0" * 62) is None and not path.exists()
+
+
+def test_fedavg_equals_the_weighted_average_of_the_uploads(tmp_path, tiny_config):
+    summary = run(tiny_config, tmp_path / "run", tmp_path / "cache")
+    uploads = [Payload.from_bytes(p.read_bytes()) for p in (tmp_path / "cache").rglob("*.safetensors")]
+    n = torch.tensor([u.meta["num_samples"] for u in uploads], dtype=torch.float64)
+    assert n.sum() == sum(summary["clients"]["sizes"])
+    got = load_file(str(tmp_path / "run" / "fedavg" / "fedavg.safetensors"))
+    for key in ("features.0.weight", "head.weight") if "head.weight" in got else list(got)[:2]:
+        expected = sum(w * u.tensors[key].double() for w, u in zip(n / n.sum(), uploads))
+        assert torch.allclose(got[key].double(), expected, atol=1e-6)
+
+
+def test_same_seed_same_results_different_seed_different(tmp_path, tiny_config):
+    a = run(tiny_config, tmp_path / "a")["results"]
+    b = run(tiny_config, tmp_path / "b")["results"]
+    assert a["fedavg"]["accuracy"] == b["fedavg"]["accuracy"]
+    assert a["ensemble"]["per_class"] == b["ensemble"]["per_class"]
+    tiny_config["seed"] = 1
+    c = run(tiny_config, tmp_path / "c")
+    assert c["clients"]["sizes"] != run(validate({**tiny_config, "seed": 0}), tmp_path / "d")["clients"]["sizes"]
+
+
+def test_heterogeneous_clients_average_within_each_architecture(tmp_path, tiny_config):
+    tiny_config["client"]["model"] = ["cnn2", "lenet5"]
+    tiny_config["server"]["model"] = "lenet5"
+    res = run(tiny_config, tmp_path / "run")["results"]
+    assert set(res["fedavg"]["models"]) == {"fedavg", "fedavg[cnn2]"}  # headline = server arch
+    assert res["ensemble"]["accuracy"] >= 0
+    tiny_config["methods"] = {"fedavg": {"rounds": 2}}
+    with pytest.raises(ValueError, match="every client on the server architecture"):
+        run(tiny_config, tmp_path / "rounds")
+
+
+def test_multi_round_fedavg_learns_samples_clients_and_resumes(tmp_path, tiny_config):
+    tiny_config["clients"] = 6
+    tiny_config["client"].update(epochs=4, batch_size=8)
+    tiny_config["methods"] = {"fedavg": {"rounds": 4, "sample_ratio": 0.5}}
+    full = run(tiny_config, tmp_path / "full")["results"]["fedavg"]
+    rows = [json.loads(r) for r in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in rows if r["step"] >= 0]
+    assert [r["step"] for r in rounds] == [1, 2, 3, 4]
+    assert all(len(r["clients"]) == 3 for r in rounds)
+    assert full["accuracy"] > 45  # chance is 25
+    # interrupt after round 2: rewrite the checkpoint as if the run had stopped there
+    part = tmp_path / "part"
+    tiny_config["methods"]["fedavg"]["rounds"] = 2
+    run(tiny_config, part)
+    info = json.loads((part / "fedavg" / "checkpoint.json").read_text())
+    tiny_config["methods"]["fedavg"]["rounds"] = 4
+    assert info["round"] == 2
+    # a different config (rounds changed) must not resume: hash differs -> fresh run, same result
+    resumed = run(tiny_config, part)["results"]["fedavg"]
+    assert resumed["accuracy"] == full["accuracy"]
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path, tiny_config, monkeypatch):
+    tiny_config["client"]["epochs"] = 1
+    tiny_config["methods"] = {"fedavg": {"rounds": 3}}
+    full = run(tiny_config, tmp_path / "full")["results"]["fedavg"]
+
+    from hetfl.methods.fedavg import FedAvgRounds
+
+    original = FedAvgRounds.aggregate
+    calls = []
+
+    def crash_in_round_3(self, round_, uploads, ctx):
+        calls.append(round_)
+        if round_ == 3 and len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    monkeypatch.setattr(FedAvgRounds, "aggregate", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_config, tmp_path / "crash")
+    resumed = run(tiny_config, tmp_path / "crash")["results"]["fedavg"]
+    assert calls == [1, 2, 3, 3]  # rounds 1-2 were not redone
+    assert resumed["resumed_from_round"] == 2
+    assert resumed["accuracy"] == full["accuracy"] and resumed["bytes_up"] == full["bytes_up"]
+    rows = (tmp_path / "crash" / "fedavg" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, -1]
+
+
+def test_cli_run_partition_and_errors(tmp_path, tiny_config, capsys):
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config))
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--quiet", "--no-cache",
+                 "--set", "client.epochs=1"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg" in out and "bytes up" in out
+    assert (tmp_path / "out" / "partition.png").is_file() and (tmp_path / "out" / "results.png").is_file()
+    assert main(["partition", str(path), "--out", str(tmp_path / "p")]) == 0
+    assert "sizes: min" in capsys.readouterr().out
+    assert (tmp_path / "p" / "partition.png").is_file()
+    assert main(["run", str(path), "--set", "methods.fedsgd={}"]) == 2
+    assert "unknown method 'fedsgd'" in capsys.readouterr().err
+    assert main(["run", str(path), "--set", "partition.min_size=1000"]) == 2
+    assert "min_size=1000 is impossible" in capsys.readouterr().err
+    assert main(["list"]) == 0
+    assert "cnn2" in capsys.readouterr().out
