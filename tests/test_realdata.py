@@ -56,5 +56,4 @@ def test_one_shot_run_on_real_mnist(tmp_path):
     })
     res = Simulator(prepare(cfg), tmp_path, tmp_path / "cache", quiet=True).run()["results"]
     assert res["ensemble"]["accuracy"] > 60  # five 1-epoch CNNs on Dir(0.5) MNIST: 75.5 measured, chance 10
-    assert res["fedavg"]["accuracy"] > 20
     assert res["fedavg"]["bytes_up"] == res["ensemble"]["bytes_up"]
