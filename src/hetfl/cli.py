@@ -32,6 +32,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hetfl.report import results_table, write_plots
 
     cfg = load_config(args.config, args.overrides)
+    if args.methods:
+        chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+        missing = [m for m in chosen if m not in cfg["methods"]]
+        if missing:
+            raise ConfigError(f"--methods {missing} not in the config's methods {list(cfg['methods'])}")
+        cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
     if args.device:
         cfg["device"] = args.device
     out = Path(args.out or Path("runs") / cfg["name"])
@@ -39,7 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cache = None if args.no_cache else Path(args.cache_dir)
     print(f"{cfg['name']}: {cfg['dataset']} ({len(exp.splits.train)} train / {len(exp.splits.test)} test), "
           f"{cfg['clients']} clients, partition {cfg['partition']}, device {exp.device}", flush=True)
-    summary = Simulator(exp, out, cache, quiet=args.quiet, resume=not args.fresh).run()
+    summary = Simulator(exp, out, cache, quiet=args.quiet, resume=not args.fresh, data_root=args.data_root).run()
     plots = write_plots(out, summary)
     print(results_table(summary["results"]))
     print(f"wrote {out / 'summary.json'}, metrics.jsonl, partition.json and {', '.join(p.name for p in plots)}")
@@ -95,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"),
                      help="upload cache folder (env HETFL_CACHE; default cache/uploads)")
     run.add_argument("--no-cache", action="store_true", help="always retrain clients")
+    run.add_argument("--methods", default=None, help="run only these methods of the config (comma-separated)")
     run.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: the config's)")
     run.add_argument("--fresh", action="store_true", help="ignore checkpoints in the output folder")
     run.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -89,8 +89,9 @@ class Simulator:
     """Runs the methods of one :class:`Experiment` and writes their outputs under ``out_dir``."""
 
     def __init__(self, exp: Experiment, out_dir: Path, cache_dir: Path | None = None,
-                 quiet: bool = False, resume: bool = True) -> None:
+                 quiet: bool = False, resume: bool = True, data_root: str | None = None) -> None:
         self.exp = exp
+        self.data_root = data_root
         self.out_dir = Path(out_dir)
         self.cache = UploadCache(cache_dir) if cache_dir else None
         self.quiet = quiet
@@ -140,7 +141,8 @@ class Simulator:
             num_clients=cfg["clients"], client_archs=exp.archs, server_arch=cfg["server"]["model"],
             train_cfg=train_cfg, device=exp.device, out_dir=method_dir, evaluate=evaluate_model,
             log=lambda step, **m: self._log(name, step, **m), progress=self.progress,
-            pooled_train_data=pooled,
+            pooled_train_data=pooled, dataset=cfg["dataset"], data_root=Path(self.data_root or cfg["data_root"]),
+            resume=self.resume,
         )
 
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
@@ -224,6 +226,12 @@ class Simulator:
                                              "ledger": ledger.records}))
         return method.models()
 
+    def _check(self, name: str, method: Method) -> None:
+        try:
+            method.check(self._context(name, CommLedger(), []))
+        except ValueError as err:
+            raise ValueError(f"methods.{name}: {err}") from err
+
     def run_method(self, name: str) -> dict[str, Any]:
         method: Method = create_method(name, self.exp.cfg["methods"][name])
         ledger, history = CommLedger(), []
@@ -258,6 +266,8 @@ class Simulator:
         exp = self.exp
         (self.out_dir / "partition.json").write_text(json.dumps(exp.partition.stats()))
         (self.out_dir / "config.json").write_text(json.dumps(exp.cfg, indent=1))
+        for name, params in exp.cfg["methods"].items():  # every method checks the setting before any training
+            self._check(name, create_method(name, params))
         results = {}
         for name in exp.cfg["methods"]:
             results[name] = self.run_method(name)

@@ -55,6 +55,9 @@ class ServerContext:
     log: Callable[..., None]
     progress: Callable[..., Any]
     pooled_train_data: Callable[[], ImageDataset]
+    dataset: str = ""
+    data_root: Path = Path("data")
+    resume: bool = True
     record: dict[str, Any] = field(default_factory=dict)
 
     def build(self, arch: str, purpose: str = "global") -> nn.Module:
@@ -83,6 +86,10 @@ class Method(ABC):
             )
         self.client_overrides: dict[str, Any] = dict(params.pop("client", {}) or {})
         self.params = {**self.defaults, **params}
+
+    def check(self, ctx: ServerContext) -> None:
+        """Raise ValueError if this method cannot run on this setting (called by engines for every
+        method before any training, so a bad combination fails early)."""
 
     def local_config(self, ctx: ServerContext) -> TrainConfig:
         """The clients' training config, with this method's ``client:`` overrides applied."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import asdict, fields
+from typing import Any, ClassVar
 
 from torch import nn
 
-from hetfl.fl.method import ServerContext
+from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller, Recipe, config_key
+from hetfl.fl.method import OneShotMethod, ServerContext
 from hetfl.fl.payload import Payload, PayloadError
 
 
@@ -31,3 +34,42 @@ def group_by_arch(uploads: dict[int, Payload]) -> dict[str, list[int]]:
     for cid, up in sorted(uploads.items()):
         groups[str(up.meta["arch"])].append(cid)
     return dict(groups)
+
+
+class DataFreeMethod(OneShotMethod):
+    """Base of the generator family (DENSE, Co-Boosting, FedHydra): validated
+    :class:`DataFreeConfig` keys plus a method's own, a fresh student of the server architecture,
+    and the shared :class:`DataFreeDistiller` loop. Subclasses implement :meth:`recipe`."""
+
+    method_defaults: ClassVar[dict[str, Any]] = {}  # a method's own keys and its paper's defaults
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.defaults = {**asdict(DataFreeConfig()), **cls.method_defaults}
+
+    @property
+    def config(self) -> DataFreeConfig:
+        keys = {f.name for f in fields(DataFreeConfig)}
+        return DataFreeConfig(**{k: v for k, v in self.params.items() if k in keys})
+
+    def recipe(self, teachers: list[nn.Module], ctx: ServerContext) -> Recipe:
+        raise NotImplementedError
+
+    def student(self, teachers: list[nn.Module], uploads: dict[int, Payload], ctx: ServerContext) -> nn.Module:
+        """A freshly initialised server model (DENSE, Co-Boosting and FedHydra start from scratch)."""
+        return ctx.build(ctx.server_arch, purpose=f"{self.name}-student")
+
+    def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
+        models = client_models(uploads, ctx)
+        teachers = list(models.values())
+        recipe = self.recipe(teachers, ctx)
+        student = self.student(teachers, uploads, ctx)
+        engine = DataFreeDistiller(teachers, student, recipe, self.config, ctx, self.name)
+        key = config_key(self.config, method=self.name, params=self.params,
+                         uploads=[uploads[c].meta.get("client_id") for c in sorted(uploads)])
+        model = engine.run(key, resume=ctx.resume)
+        self.after(engine, ctx)
+        return {self.name: model}
+
+    def after(self, engine: DataFreeDistiller, ctx: ServerContext) -> None:
+        """Hook after the loop (plots, extra records)."""

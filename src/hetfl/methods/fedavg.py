@@ -53,13 +53,16 @@ class FedAvgRounds(RoundMethod):
     name = "fedavg"
     defaults = DEFAULTS
 
-    def setup(self, ctx: ServerContext) -> None:
+    def check(self, ctx: ServerContext) -> None:
         mixed = sorted(set(ctx.client_archs) - {ctx.server_arch})
         if mixed:
             raise ValueError(
                 f"multi-round fedavg needs every client on the server architecture "
                 f"{ctx.server_arch!r}; clients use {mixed}"
             )
+
+    def setup(self, ctx: ServerContext) -> None:
+        self.check(ctx)
         self.global_model = ctx.build(ctx.server_arch, purpose="global")
 
     def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload:

@@ -50,3 +50,4 @@ class Generator(nn.Module):
         out = self.l1(z)
         out = out.reshape(out.shape[0], -1, self.init_size, self.init_size)
         return self.conv_blocks(out)
+

@@ -1,0 +1,334 @@
+"""Data-free distillation engine shared by DENSE, Co-Boosting and FedHydra.
+
+One loop, written once (DENSE's Alg. / FedHydra's Alg. 1): for each of ``T_g`` epochs, a generator
+``G`` is trained for ``T_G`` steps so that the aggregated teacher logits ``P`` of its images fit
+sampled labels; the global (student) model is then distilled from ``P`` on the synthetic batches.
+A method supplies a :class:`Recipe`: how to aggregate the client logits into ``P``, the generator
+loss, the student loss, which batches to keep and whether the generator is reset every epoch.
+
+Shared pieces: :class:`BNStatsLoss` (DeepInversion hooks on the teachers' BatchNorm layers),
+:func:`kl_div`, a bounded in-memory replay pool (uint8 images + teacher logits, never on disk),
+evaluation and metric logging through the :class:`~hetfl.fl.method.ServerContext`, and a
+checkpoint after every ``checkpoint_every`` epochs so an interrupted server stage resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hetfl.fl.method import ServerContext, derive_seed
+from hetfl.fl.training import autocast
+from hetfl.models.generator import Generator
+
+
+def kl_div(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0,
+           reduction: str = "batchmean") -> torch.Tensor:
+    """``T^2 * KL(softmax(t/T) || softmax(s/T))`` (batch mean, or per sample with ``reduction='none'``)."""
+    t = F.log_softmax(teacher_logits / temperature, dim=1)
+    s = F.log_softmax(student_logits / temperature, dim=1)
+    per_sample = (t.exp() * (t - s)).sum(dim=1) * temperature**2
+    return per_sample.mean() if reduction == "batchmean" else per_sample
+
+
+class BNStatsLoss:
+    """DeepInversion BN-statistics loss on a list of models.
+
+    Forward hooks on every ``BatchNorm2d`` record, for the batch that went through it,
+    ``||mu_batch - running_mean||_2 + ||var_batch - running_var||_2``; :meth:`per_model` sums
+    these over each model's layers (the value is 0 exactly when the batch statistics equal the
+    stored ones). Use with the models in eval mode.
+    """
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        self.values: list[list[torch.Tensor]] = [[] for _ in models]
+        self.handles = []
+        for k, model in enumerate(models):
+            for module in model.modules():
+                if isinstance(module, nn.BatchNorm2d) and module.running_mean is not None:
+                    self.handles.append(module.register_forward_hook(self._hook(k)))
+
+    def _hook(self, k: int):
+        def hook(module: nn.BatchNorm2d, inputs: tuple[torch.Tensor], _out: torch.Tensor) -> None:
+            x = inputs[0].float()
+            mean = x.mean(dim=(0, 2, 3))
+            var = x.var(dim=(0, 2, 3), unbiased=False)
+            self.values[k].append(torch.linalg.vector_norm(mean - module.running_mean)
+                                  + torch.linalg.vector_norm(var - module.running_var))
+        return hook
+
+    def clear(self) -> None:
+        for v in self.values:
+            v.clear()
+
+    def per_model(self) -> torch.Tensor:
+        """(m,) summed BN loss of each model for the last forward (0 for models without BN)."""
+        zero = torch.zeros(())
+        return torch.stack([torch.stack(v).sum() if v else zero for v in self.values])
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@dataclass
+class DataFreeConfig:
+    """Keys shared by the generator family (names as in the configs)."""
+
+    epochs: int = 200  # T_g
+    generator_steps: int = 30  # T_G
+    batch_size: int = 256  # b, synthetic batch
+    lr: float = 0.01  # student SGD learning rate (eta_g)
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    generator_lr: float = 1e-3  # eta_G (Adam, betas 0.5 / 0.999 as in DENSE)
+    lambda_bn: float = 1.0
+    lambda_adv: float = 1.0
+    temperature: float = 1.0
+    nz: int = 256
+    pool_size: int = 0  # batches kept for replay (0: no replay; -1: unbounded, DENSE)
+    replay: int = 0  # replayed pool batches per epoch (-1: the whole pool, DENSE)
+    precision: str = "fp32"  # fp32 | bf16 autocast for generator and teacher forwards
+    cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
+    eval_every: int = 1
+    checkpoint_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.generator_steps < 1 or self.batch_size < 2:
+            raise ValueError("epochs, generator_steps >= 1 and batch_size >= 2 are required")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # uint8 images, labels y, (m, b, c) client logits
+
+
+class Recipe:
+    """The method-specific pieces of the loop (defaults: DENSE's average ensemble)."""
+
+    keep: str = "best"  # which synthetic batches of an epoch are distilled: 'best' | 'all'
+    reset_generator: bool = True  # re-initialise G (and z) every epoch, as DENSE does
+    optimize_z: bool = True  # Adam over [G, z] (DENSE) or over G only
+
+    def aggregate(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """(m, b, c) client logits -> (b, c) teacher logits P."""
+        return logits.mean(dim=0)
+
+    def generator_loss(self, P: torch.Tensor, s: torch.Tensor, y: torch.Tensor, bn: torch.Tensor,
+                       cfg: DataFreeConfig) -> torch.Tensor:
+        raise NotImplementedError
+
+    def student_loss(self, P: torch.Tensor, s: torch.Tensor, cfg: DataFreeConfig) -> torch.Tensor:
+        return kl_div(P, s, cfg.temperature)
+
+    def kd_batch(self, engine: DataFreeDistiller, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (images, teacher logits) the student is distilled on for one pool batch."""
+        x8, y, logits = batch
+        return x8.float().div_(255.0), self.aggregate(logits, y)
+
+    def on_epoch_end(self, engine: DataFreeDistiller, epoch: int) -> None:
+        """Hook for per-epoch updates of the recipe's own state (Co-Boosting's weights)."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state` returned (for resuming)."""
+
+
+class DataFreeDistiller:
+    """Runs the loop for one method; see the module docstring."""
+
+    def __init__(self, teachers: list[nn.Module], student: nn.Module, recipe: Recipe,
+                 cfg: DataFreeConfig, ctx: ServerContext, name: str) -> None:
+        self.teachers = [t.to(ctx.device).eval() for t in teachers]
+        for t in self.teachers:
+            t.requires_grad_(False)
+        self.student = student.to(ctx.device)
+        self.recipe, self.cfg, self.ctx, self.name = recipe, cfg, ctx, name
+        c, h, _ = ctx.shape
+        torch.manual_seed(derive_seed(ctx.seed, name, "generator"))
+        self.generator = Generator(cfg.nz, 64, h, c).to(ctx.device)
+        self.gen_opt = self._generator_optimizer(None)
+        self.opt = torch.optim.SGD(self.student.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay)
+        self.bn = BNStatsLoss(self.teachers)
+        self.pool: deque[Batch] = deque(
+            maxlen=None if cfg.pool_size < 0 else max(cfg.pool_size, 0) or 1)
+        self.schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
+                         if cfg.cosine else None)
+        self.history: list[float] = []
+        self.timing = {"generation": 0.0, "distillation": 0.0, "evaluation": 0.0}
+        self.last_batch: Batch | None = None
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _generator_optimizer(self, z: torch.Tensor | None) -> torch.optim.Adam:
+        params = list(self.generator.parameters()) + ([z] if z is not None else [])
+        return torch.optim.Adam(params, lr=self.cfg.generator_lr, betas=(0.5, 0.999))
+
+    def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(m, b, c) logits of every client model on ``x`` (BN hooks record their statistics)."""
+        self.bn.clear()
+        return torch.stack([t(x).float() for t in self.teachers])
+
+    def synthesize(self, epoch: int) -> list[Batch]:
+        """Train the generator for T_G steps; return the kept (images, labels, client logits)."""
+        cfg, dev = self.cfg, self.ctx.device
+        g = torch.Generator().manual_seed(derive_seed(self.ctx.seed, self.name, "z", epoch))
+        z = torch.randn(cfg.batch_size, cfg.nz, generator=g).to(dev)
+        y = torch.randint(0, self.ctx.num_classes, (cfg.batch_size,), generator=g).to(dev)
+        if self.recipe.reset_generator:
+            torch.manual_seed(derive_seed(self.ctx.seed, self.name, "generator", epoch))
+            self.generator.reset_parameters()
+            if self.recipe.optimize_z:
+                z.requires_grad_(True)
+            self.gen_opt = self._generator_optimizer(z if self.recipe.optimize_z else None)
+        self.generator.train()
+        self.student.eval()
+        kept: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (x, client logits, loss)
+        for _ in range(cfg.generator_steps):
+            with autocast(dev, cfg.precision):
+                x = self.generator(z)
+                logits = self.teacher_logits(x)
+                P = self.recipe.aggregate(logits, y)
+                s = self.student(x).float()
+            loss = self.recipe.generator_loss(P, s, y, self.bn.per_model(), cfg)
+            self.gen_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.gen_opt.step()
+            kept.append((x.detach(), logits.detach(), float(loss.detach())))
+        if self.recipe.keep == "best":
+            kept = [min(kept, key=lambda item: item[2])]
+        # Images are kept as uint8 (as DENSE's PNG pool); the client logits are the ones computed in
+        # the generator step on the unquantised images (at most 1/255 apart), not a second forward.
+        return [(to_uint8(x), y.detach(), logits) for x, logits, _ in kept]
+
+    def distill(self, batches: list[Batch]) -> float:
+        self.student.train()
+        total = 0.0
+        for batch in batches:
+            x, P = self.recipe.kd_batch(self, batch)
+            s = self.student(x)
+            loss = self.recipe.student_loss(P, s, self.cfg)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            total += float(loss)
+        return total / max(len(batches), 1)
+
+    def replay_batches(self, epoch: int) -> list[Batch]:
+        pool = list(self.pool)
+        if self.cfg.replay < 0 or self.cfg.replay >= len(pool):
+            return pool
+        if self.cfg.replay == 0:
+            return []
+        g = torch.Generator().manual_seed(derive_seed(self.ctx.seed, self.name, "replay", epoch))
+        return [pool[i] for i in torch.randperm(len(pool), generator=g)[: self.cfg.replay].tolist()]
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _ckpt_paths(self) -> tuple[Path, Path]:
+        return self.ctx.out_dir / "checkpoint.safetensors", self.ctx.out_dir / "checkpoint.json"
+
+    def save_checkpoint(self, epoch: int, config_key: str) -> None:
+        tensors = {f"student.{k}": v for k, v in self.student.state_dict().items()}
+        tensors.update({f"generator.{k}": v for k, v in self.generator.state_dict().items()})
+        tensors.update({f"recipe.{k}": v for k, v in self.recipe.state().items()})
+        for i, (x, y, logits) in enumerate(self.pool):
+            tensors[f"pool.{i}.x"], tensors[f"pool.{i}.y"], tensors[f"pool.{i}.L"] = x, y, logits
+        for i, p in enumerate(self.student.parameters()):
+            buf = self.opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                tensors[f"opt.{i}"] = buf
+        for i, p in enumerate(self.generator.parameters()):  # Adam state (the generator persists in FedHydra)
+            for name, value in self.gen_opt.state.get(p, {}).items():
+                tensors[f"gen_opt.{i}.{name}"] = torch.as_tensor(value)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        blob, info = self._ckpt_paths()
+        save_file(tensors, str(blob))
+        info.write_text(json.dumps({"epoch": epoch, "config": config_key, "history": self.history,
+                                    "pool": len(self.pool), "timing": self.timing}))
+
+    def load_checkpoint(self, config_key: str) -> int:
+        """Restore the last checkpoint of the same config; return the next epoch to run."""
+        blob, info_path = self._ckpt_paths()
+        if not (blob.is_file() and info_path.is_file()):
+            return 1
+        info = json.loads(info_path.read_text())
+        if info.get("config") != config_key:
+            return 1
+        t = load_file(str(blob), device=str(self.ctx.device))
+        pick = lambda prefix: {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}  # noqa: E731
+        self.student.load_state_dict(pick("student."))
+        self.generator.load_state_dict(pick("generator."))
+        self.recipe.load_state(pick("recipe."))
+        self.pool.clear()
+        for i in range(info["pool"]):
+            self.pool.append((t[f"pool.{i}.x"], t[f"pool.{i}.y"], t[f"pool.{i}.L"]))
+        for i, p in enumerate(self.student.parameters()):
+            if f"opt.{i}" in t:
+                self.opt.state[p]["momentum_buffer"] = t[f"opt.{i}"].clone()
+        if not self.recipe.reset_generator:
+            for i, p in enumerate(self.generator.parameters()):
+                state = {k.split(".")[-1]: v.clone() for k, v in t.items() if k.startswith(f"gen_opt.{i}.")}
+                if state:
+                    self.gen_opt.state[p] = state
+        if self.schedule is not None:
+            for _ in range(info["epoch"]):
+                self.schedule.step()
+        self.history = info["history"]
+        self.timing = info["timing"]
+        return info["epoch"] + 1
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, config_key: str = "", resume: bool = True) -> nn.Module:
+        cfg, ctx = self.cfg, self.ctx
+        start = self.load_checkpoint(config_key) if resume else 1
+        if start > 1:
+            ctx.record["resumed_from_epoch"] = start - 1
+        bar = ctx.progress(range(start, cfg.epochs + 1), desc=f"{self.name}: distillation", unit="epoch",
+                           initial=start - 1, total=cfg.epochs)
+        for epoch in bar:
+            t0 = time.perf_counter()
+            fresh = self.synthesize(epoch)
+            t1 = time.perf_counter()
+            kd_loss = self.distill(fresh + self.replay_batches(epoch))
+            if cfg.pool_size != 0:
+                self.pool.extend(fresh)
+            self.last_batch = fresh[-1]
+            self.recipe.on_epoch_end(self, epoch)
+            if self.schedule is not None:
+                self.schedule.step()
+            t2 = time.perf_counter()
+            self.timing["generation"] += t1 - t0
+            self.timing["distillation"] += t2 - t1
+            row: dict[str, Any] = {"kd_loss": kd_loss}
+            if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
+                acc = ctx.evaluate(self.student)["accuracy"]
+                self.history.append(acc)
+                row["accuracy"] = acc
+                bar.set_postfix(acc=f"{acc:.2f}", best=f"{max(self.history):.2f}")
+            self.timing["evaluation"] += time.perf_counter() - t2
+            ctx.log(epoch, **row)
+            if epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs:
+                self.save_checkpoint(epoch, config_key)
+        self.bn.remove()
+        ctx.record["timing_seconds"] = dict(self.timing)
+        return self.student
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """Quantise [0, 1] images to uint8 for the pool (as DENSE's PNG pool does)."""
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def config_key(cfg: DataFreeConfig, **extra: Any) -> str:
+    return json.dumps({**asdict(cfg), **extra}, sort_keys=True, default=str)

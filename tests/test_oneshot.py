@@ -1,0 +1,224 @@
+"""FedHydra and the data-free one-shot family: values against slow references, invariants, runs."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetfl.config import validate
+from hetfl.data import make_partition
+from hetfl.data.synthetic import load_synthetic
+from hetfl.engine.simulator import Simulator, prepare
+from hetfl.fl.datafree import BNStatsLoss, kl_div
+from hetfl.fl.training import TrainConfig, local_train
+from hetfl.methods.fedhydra import (
+    guidance,
+    normalise_rows_and_columns,
+    stratified_aggregation,
+    stratify,
+    stratify_reference,
+)
+from hetfl.methods.ot import chain_layers, fuse
+from hetfl.models import build_model
+
+CPU = torch.device("cpu")
+
+
+def test_U_r_rows_and_U_c_columns_sum_to_one():
+    torch.manual_seed(0)
+    U = torch.rand(10, 5, dtype=torch.float64) * 3
+    U[4] = 0  # a class no client guides: uniform row
+    U_r, U_c = normalise_rows_and_columns(U)
+    assert torch.allclose(U_r.sum(dim=1), torch.ones(10, dtype=torch.float64))
+    assert torch.allclose(U_c.sum(dim=0), torch.ones(5, dtype=torch.float64))
+    assert torch.allclose(U_r[4], torch.full((5,), 0.2, dtype=torch.float64))
+    assert torch.allclose(U_r[0], U[0] / U[0].sum()) and torch.allclose(U_c[:, 1], U[:, 1] / U[:, 1].sum())
+
+
+def test_guidance_is_eq2():
+    losses = torch.tensor([[2.0, 1.0, 0.5], [1.0, 1.0, 1.0]])
+    assert torch.allclose(guidance(losses), torch.tensor([3.0, 0.0], dtype=torch.float64))
+    assert guidance(torch.tensor([0.0, 0.0])) == 0  # no division by zero, never negative
+
+
+def test_stratified_aggregation_equals_slow_reference():
+    torch.manual_seed(1)
+    m, b, c = 4, 33, 7
+    logits, y = torch.randn(m, b, c), torch.randint(0, c, (b,))
+    U_r, U_c = normalise_rows_and_columns(torch.rand(c, m))
+    U_r, U_c = U_r.float(), U_c.float()
+    P = stratified_aggregation(logits, y, U_r, U_c)
+    ref = torch.zeros(b, c)
+    for i in range(b):  # Eq. 8-11 literally
+        for k in range(m):
+            P_hat_k_i = torch.tensor([logits[k, i, j] * U_c[j, k] for j in range(c)])
+            ref[i] += U_r[y[i], k] * P_hat_k_i
+    assert torch.allclose(P, ref, atol=1e-5)
+
+
+def test_bn_loss_is_zero_exactly_when_batch_matches_stored_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3)).eval()
+    x = torch.rand(16, 1, 8, 8)
+    with torch.no_grad():
+        h = model[0](x)
+        model[1].running_mean.copy_(h.mean(dim=(0, 2, 3)))
+        model[1].running_var.copy_(h.var(dim=(0, 2, 3), unbiased=False))
+    bn = BNStatsLoss([model, nn.Linear(2, 2)])  # a model without BN contributes 0
+    model(x)
+    per_model = bn.per_model()
+    assert per_model.shape == (2,) and float(per_model[0].detach()) < 1e-6 and float(per_model[1]) == 0
+    bn.clear()
+    model(x * 2)
+    assert float(bn.per_model()[0]) > 0.1
+    bn.remove()
+
+
+def test_kl_div_matches_torch():
+    torch.manual_seed(0)
+    t, s = torch.randn(8, 5), torch.randn(8, 5)
+    expected = F.kl_div(F.log_softmax(s / 4, 1), F.softmax(t / 4, 1), reduction="batchmean") * 16
+    assert torch.allclose(kl_div(t, s, 4.0), expected, atol=1e-6)
+    assert float(kl_div(t, t)) == pytest.approx(0, abs=1e-6)
+
+
+def _teachers(classes=6, clients=3, epochs=15, partition=None):
+    d = load_synthetic(classes=classes, size=16, train_per_class=80, test_per_class=10, noise=0.2, seed=1)
+    part = make_partition(d.train.y.numpy(), clients, partition or {"kind": "2c/c"}, 0)
+    teachers = []
+    for k, idx in enumerate(part.indices):
+        torch.manual_seed(0)
+        model = build_model("cnn2", 1, 16, classes)
+        local_train(model, d.train.subset(torch.from_numpy(idx)), TrainConfig(epochs=epochs, batch_size=32, lr=0.05),
+                    CPU, seed=k)
+        teachers.append(model.eval())
+    return teachers
+
+
+@pytest.mark.slow
+def test_stratification_gives_each_2cc_client_its_owned_classes():
+    teachers = _teachers()
+    U = stratify(teachers, 6, (1, 16, 16), steps=15, batch=16, lr=1e-3, nz=32, seed=0, device=CPU)
+    _, U_c = normalise_rows_and_columns(U)
+    for k in range(3):
+        top2 = set(U_c[:, k].topk(2).indices.tolist())
+        assert top2 == {2 * k, 2 * k + 1}, f"client {k}: {U_c[:, k]}"
+        assert float(U_c[2 * k, k] + U_c[2 * k + 1, k]) > 0.9  # paper Fig. 5b: ~0.96 on owned classes
+
+
+def test_batched_stratification_equals_the_one_at_a_time_loop():
+    teachers = _teachers(classes=4, clients=2, epochs=2)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # exact comparison: no float32 reordering noise
+    try:
+        teachers = [t.double() for t in teachers]
+        kw = dict(num_classes=4, shape=(1, 16, 16), steps=4, batch=6, lr=1e-3, nz=16, seed=3, device=CPU)
+        U = stratify(teachers, **kw)
+        R = stratify_reference(teachers, **kw)
+    finally:
+        torch.set_default_dtype(old)
+    assert U.shape == (4, 2)
+    assert torch.allclose(U, R, rtol=1e-6, atol=1e-9)
+
+
+def test_ot_fusion_recovers_permuted_neurons():
+    torch.manual_seed(0)
+    model = build_model("cnn2", 1, 16, 4)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.normal_()
+                mod.running_var.uniform_(0.5, 2)
+    s = {k: v.clone() for k, v in model.state_dict().items()}
+    (n0, _, bn0), (n1, _, bn1), (n2, _, _) = chain_layers(model)
+    perm0, perm1 = torch.randperm(s[f"{n0}.weight"].shape[0]), torch.randperm(s[f"{n1}.weight"].shape[0])
+    p = dict(s)
+    for key in ("weight", "bias"):
+        if f"{n0}.{key}" in s:
+            p[f"{n0}.{key}"] = s[f"{n0}.{key}"][perm0]
+        if f"{n1}.{key}" in s:
+            p[f"{n1}.{key}"] = s[f"{n1}.{key}"][perm1]
+    p[f"{n1}.weight"] = s[f"{n1}.weight"][perm1][:, perm0]
+    for key in ("weight", "bias", "running_mean", "running_var"):
+        p[f"{bn0}.{key}"], p[f"{bn1}.{key}"] = s[f"{bn0}.{key}"][perm0], s[f"{bn1}.{key}"][perm1]
+    w2 = s[f"{n2}.weight"]
+    p[f"{n2}.weight"] = w2.reshape(w2.shape[0], len(perm1), -1)[:, perm1].reshape(w2.shape)
+    permuted = build_model("cnn2", 1, 16, 4)
+    permuted.load_state_dict(p)
+    x = torch.rand(4, 1, 16, 16)
+    assert torch.allclose(model.eval()(x), permuted.eval()(x), atol=1e-5)  # same function
+    fused = fuse([s, p], chain_layers(model), [1, 1])
+    assert all(torch.allclose(fused[k].float(), s[k].float(), atol=1e-5) for k in s)  # aligned back
+
+
+SMOKE = {
+    "name": "oneshot", "seed": 0, "dataset": "synthetic",
+    "data": {"train_per_class": 60, "test_per_class": 20, "size": 16, "classes": 4, "noise": 0.2},
+    "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}, "clients": 3,
+    "client": {"model": "cnn2", "epochs": 6, "batch_size": 32, "lr": 0.1},
+    "methods": {
+        "fedavg": {}, "ot": {}, "feddf": {"steps": 20, "eval_every": 10, "aux_size": 100},
+        "dense": {"epochs": 2, "generator_steps": 2, "batch_size": 16},
+        "coboosting": {"epochs": 3, "generator_steps": 2, "batch_size": 16},
+        "fedhydra": {"epochs": 2, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4},
+    },
+}
+
+
+def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
+    summary = Simulator(prepare(validate(SMOKE)), tmp_path, tmp_path / "cache", quiet=True).run()
+    res = summary["results"]
+    assert list(res) == ["fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra"]
+    assert len({r["bytes_up"] for r in res.values()}) == 1  # byte-identical uploads
+    assert all(r["cached_uploads"] == 3 for name, r in res.items() if name != "fedavg")
+    strat = json.loads((tmp_path / "fedhydra" / "stratification.json").read_text())
+    assert len(strat["U"]) == 4 and len(strat["U"][0]) == 3
+    assert (tmp_path / "fedhydra" / "U_c.png").is_file() and (tmp_path / "fedhydra" / "samples.png").is_file()
+    assert set(res["fedhydra"]["timing_seconds"]) == {"generation", "distillation", "evaluation"}
+    assert "stratification_seconds" in res["fedhydra"]
+    w = res["coboosting"]["ensemble_weights"]
+    assert len(w) == 3 and all(0 <= v <= 1 for v in w)
+
+
+def test_data_free_methods_take_heterogeneous_clients_and_ot_refuses_them(tmp_path):
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["client"]["model"] = ["cnn2", "lenet5", "resnet18"]
+    cfg["client"]["epochs"] = 1
+    cfg["server"] = {"model": "resnet18"}
+    cfg["methods"] = {"fedhydra": SMOKE["methods"]["fedhydra"], "dense": {"epochs": 1, "generator_steps": 1,
+                                                                           "batch_size": 8}}
+    res = Simulator(prepare(validate(cfg)), tmp_path, None, quiet=True).run()["results"]
+    assert set(res) == {"fedhydra", "dense"}
+    cfg["methods"] = {"fedavg": {}, "ot": {}}
+    with pytest.raises(ValueError, match="OT fusion aligns neurons of models of one architecture"):
+        Simulator(prepare(validate(cfg)), tmp_path / "ot", None, quiet=True).run()
+    assert not (tmp_path / "ot" / "fedavg" / "fedavg.safetensors").exists()  # failed before training
+
+
+def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch):
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"fedhydra": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
+                                   "checkpoint_every": 1}}
+    full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
+
+    from hetfl.fl.datafree import DataFreeDistiller
+
+    original = DataFreeDistiller.synthesize
+    calls = []
+
+    def crash(self, epoch):
+        calls.append(epoch)
+        if epoch == 3 and calls.count(3) == 1:
+            raise KeyboardInterrupt
+        return original(self, epoch)
+
+    monkeypatch.setattr(DataFreeDistiller, "synthesize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    resumed = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert calls == [1, 2, 3, 3, 4]  # epochs 1-2 were not redone
+    r, f = resumed["results"]["fedhydra"], full["results"]["fedhydra"]
+    assert r["resumed_from_epoch"] == 2
+    assert r["accuracy"] == pytest.approx(f["accuracy"], abs=1e-6)
