@@ -89,7 +89,8 @@ class Method(ABC):
 
     def check(self, ctx: ServerContext) -> None:
         """Raise ValueError if this method cannot run on this setting (called by engines for every
-        method before any training, so a bad combination fails early)."""
+        method before any training, so a bad combination fails early). Default: any setting."""
+        return None
 
     def local_config(self, ctx: ServerContext) -> TrainConfig:
         """The clients' training config, with this method's ``client:`` overrides applied."""
