@@ -80,6 +80,47 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from hetfl.config import validate
+    from hetfl.engine.simulator import Simulator, prepare
+    from hetfl.reproduce import fedhydra as paper
+
+    def csv(text: str) -> list[str]:
+        return [t.strip() for t in text.split(",") if t.strip()]
+
+    root = Path(args.out)
+    results = Path(args.results)
+    notes = results.with_name(results.stem + "-notes.md")
+    if args.report_only:
+        paper.write_results(root, results, notes)
+        print(f"wrote {results}")
+        return 0
+    methods = tuple(csv(args.methods)) if args.methods else paper.METHODS
+    unknown = sorted(set(methods) - set(paper.METHODS))
+    if unknown or args.budget not in paper.BUDGETS:
+        raise ConfigError(f"unknown methods {unknown} or budget {args.budget!r}; "
+                          f"methods: {paper.METHODS}, budgets: {list(paper.BUDGETS)}")
+    settings = csv(args.settings)
+    bad = sorted(set(settings) - set(paper.SETTINGS))
+    if bad:
+        raise ConfigError(f"unknown settings {bad}; choose from {paper.SETTINGS}")
+    cells = paper.grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
+                       [int(m) for m in csv(args.clients)], args.ablation)
+    for cfg in cells:  # validate the whole grid before running anything
+        validate(cfg)
+
+    def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
+        cfg = validate(cfg)
+        return Simulator(prepare(cfg, data_root), out, cache, quiet=args.quiet, data_root=data_root).run()
+
+    for i, cfg in enumerate(cells, 1):
+        print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
+        paper.run_cell(cfg, root, Path(args.cache_dir), args.data_root, runner)
+        paper.write_results(root, results, notes)
+    print(f"wrote {results}")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import hetfl.methods  # noqa: F401
     from hetfl.fl.method import METHODS
@@ -117,6 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_p.add_argument("names", nargs="*", help="mnist, fmnist (default: both)")
     fetch_p.add_argument("--root", default="data", help="data root (default: data)")
     fetch_p.set_defaults(func=cmd_fetch)
+
+    rep = sub.add_parser("reproduce", help="run a paper's main tables and write docs/results/<paper>.md")
+    rep.add_argument("paper", choices=["fedhydra"])
+    rep.add_argument("--budget", default="reduced", help="reduced (a few hours on 2 cores) or paper")
+    rep.add_argument("--datasets", default="mnist,fmnist")
+    rep.add_argument("--settings", default="0.5,0.3,0.1,0.01,2c/c", help="Dirichlet alphas and/or 2c/c")
+    rep.add_argument("--seeds", default="0,1,2")
+    rep.add_argument("--methods", default=None, help="subset of fedavg,ot,feddf,dense,coboosting,fedhydra")
+    rep.add_argument("--clients", default="5", help="client counts, e.g. 5,10,20,50,100 (Table 4/7 sweep)")
+    rep.add_argument("--ablation", action="store_true", help="also Table 6 (lambda_1, lambda_2 at alpha 0.5)")
+    rep.add_argument("--data-root", default=None)
+    rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
+    rep.add_argument("--out", default="runs/reproduce-fedhydra")
+    rep.add_argument("--results", default="docs/results/fedhydra.md")
+    rep.add_argument("--report-only", action="store_true", help="rewrite the results file from finished runs")
+    rep.add_argument("--quiet", action="store_true")
+    rep.set_defaults(func=cmd_reproduce)
 
     lst = sub.add_parser("list", help="list methods, models, datasets and partition kinds")
     lst.set_defaults(func=cmd_list)

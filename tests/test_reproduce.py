@@ -1,0 +1,68 @@
+import json
+
+import pytest
+
+from hetfl.config import validate
+from hetfl.reproduce import fedhydra as paper
+
+
+def test_every_cell_of_the_grid_is_a_valid_config_with_a_unique_name():
+    cells = paper.grid(list(paper.DATASETS), list(paper.SETTINGS), [0, 1, 2], "reduced", paper.METHODS,
+                       [5, 10], ablation=True)
+    assert len(cells) == 2 * 5 * 3 * 2 + 2 * 3 * 5
+    assert len({c["name"] for c in cells}) == len(cells)
+    for cfg in cells[:12] + cells[-6:]:
+        validate(cfg)
+    c = paper.cell_config("mnist", "2c/c", 1, "paper")
+    assert c["partition"] == {"kind": "2c/c"} and c["client"]["epochs"] == 200
+    assert c["methods"]["fedhydra"]["epochs"] == 200 and c["methods"]["fedhydra"]["generator_steps"] == 30
+    assert list(c["methods"]) == ["ensemble", *paper.METHODS]
+
+
+def fake_summary(root, dataset, setting, seed, accs, budget="reduced"):
+    cfg = paper.cell_config(dataset, setting, seed, budget)
+    out = root / cfg["name"]
+    out.mkdir(parents=True)
+    results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
+    (out / "summary.json").write_text(json.dumps({"config": cfg, "results": results, "minutes": 2.0}))
+    return cfg
+
+
+def test_report_means_paper_numbers_and_ordering(tmp_path):
+    base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
+    fake_summary(tmp_path, "mnist", "0.1", 0, {**base, "fedhydra": 60.0})
+    fake_summary(tmp_path, "mnist", "0.1", 1, {**base, "fedhydra": 62.0})
+    low = dict.fromkeys(("ensemble", *paper.METHODS), 20.0)
+    fake_summary(tmp_path, "mnist", "2c/c", 0, {**low, "fedhydra": 30.0, "coboosting": 35.0})
+    text = paper.report(tmp_path, "reduced")
+    fedhydra_row = next(line for line in text.splitlines() if line.startswith("| FedHydra"))
+    assert "61.00 ± 1.41 (60.00 ± 1.41) n=2 | 59.97" in fedhydra_row  # ours beside Table 1
+    assert "30.00 (29.00) n=1 | 40.81" in fedhydra_row  # Table 2
+    assert "not run" in fedhydra_row
+    assert "0.1: FedHydra first (61.00 vs best baseline 40.00)" in text
+    assert "2c/c: FedHydra below Co-Boosting" in text
+    paper.write_results(tmp_path, tmp_path / "out.md")
+    assert (tmp_path / "out.md").read_text().startswith("# FedHydra reproduction")
+
+
+def test_finished_cells_are_skipped(tmp_path):
+    cfg = fake_summary(tmp_path, "fmnist", "0.5", 0, dict.fromkeys(("ensemble", *paper.METHODS), 70.0))
+
+    def runner(*args):
+        raise AssertionError("a finished cell must not run again")
+
+    summary = paper.run_cell(cfg, tmp_path, tmp_path / "cache", None, runner)
+    assert summary["results"]["fedhydra"]["best_accuracy"] == 70.0
+
+
+def test_cli_rejects_unknown_settings(capsys):
+    from hetfl.cli import main
+
+    assert main(["reproduce", "fedhydra", "--settings", "0.7"]) == 2
+    assert "unknown settings ['0.7']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", list(paper.BUDGETS))
+def test_budgets_define_every_key(budget):
+    assert set(paper.BUDGETS[budget]) == {"client_epochs", "epochs", "generator_steps", "batch_size",
+                                          "strat_batch_size", "feddf_steps"}
