@@ -172,5 +172,12 @@ def test_cli_run_partition_and_errors(tmp_path, tiny_config, capsys):
     assert "unknown method 'fedsgd'" in capsys.readouterr().err
     assert main(["run", str(path), "--set", "partition.min_size=1000"]) == 2
     assert "min_size=1000 is impossible" in capsys.readouterr().err
+    assert main(["run", str(path), "--out", str(tmp_path / "sub"), "--quiet", "--no-cache", "--methods", "ensemble",
+                 "--set", "client.epochs=1"]) == 0
+    assert list(json.loads((tmp_path / "sub" / "summary.json").read_text())["results"]) == ["ensemble"]
+    capsys.readouterr()
+    assert main(["run", str(path), "--methods", "dense"]) == 2
+    assert "--methods ['dense'] not in the config's methods" in capsys.readouterr().err
     assert main(["list"]) == 0
-    assert "cnn2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cnn2" in out and "fedhydra" in out
