@@ -16,7 +16,7 @@ def test_every_cell_of_the_grid_is_a_valid_config_with_a_unique_name():
     c = paper.cell_config("mnist", "2c/c", 1, "paper")
     assert c["partition"] == {"kind": "2c/c"} and c["client"]["epochs"] == 200
     assert c["methods"]["fedhydra"]["epochs"] == 200 and c["methods"]["fedhydra"]["generator_steps"] == 30
-    assert list(c["methods"]) == ["ensemble", *paper.METHODS]
+    assert list(c["methods"]) == ["ensemble", *paper.METHODS, "fedhydra_log1p"]
 
 
 def fake_summary(root, dataset, setting, seed, accs, budget="reduced"):
@@ -46,7 +46,8 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
 
 
 def test_finished_cells_are_skipped(tmp_path):
-    cfg = fake_summary(tmp_path, "fmnist", "0.5", 0, dict.fromkeys(("ensemble", *paper.METHODS), 70.0))
+    methods = paper.cell_config("fmnist", "0.5", 0, "reduced")["methods"]
+    cfg = fake_summary(tmp_path, "fmnist", "0.5", 0, dict.fromkeys(methods, 70.0))
 
     def runner(*args):
         raise AssertionError("a finished cell must not run again")

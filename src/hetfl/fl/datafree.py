@@ -222,7 +222,7 @@ class DataFreeDistiller:
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
-            total += float(loss)
+            total += float(loss.detach())
         return total / max(len(batches), 1)
 
     def replay_batches(self, epoch: int) -> list[Batch]:

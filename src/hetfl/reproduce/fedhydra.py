@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
+EXTRA = ("fedhydra_log1p",)  # our variant, reported beside the paper's methods (no paper number)
 LABELS = {"fedavg": "FedAvg", "ot": "OT", "feddf": "FedDF", "dense": "DENSE", "coboosting": "Co-Boosting",
-          "fedhydra": "FedHydra", "ensemble": "ensemble (teacher)"}
+          "fedhydra": "FedHydra", "ensemble": "ensemble (teacher)", "fedhydra_log1p": "FedHydra, log1p(U) (ours)"}
 SETTINGS = ("0.5", "0.3", "0.1", "0.01", "2c/c")
 DATASETS = ("mnist", "fmnist")
 
@@ -62,6 +63,7 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
         "fedavg": {}, "ensemble": {}, "ot": {}, "feddf": {"steps": b["feddf_steps"], "eval_every": 100},
         "dense": dict(gen), "coboosting": dict(gen),
         "fedhydra": {**gen, "strat_batch_size": b["strat_batch_size"]},
+        "fedhydra_log1p": {**gen, "strat_batch_size": b["strat_batch_size"]},
     }
     if lambdas is not None:
         per_method["fedhydra"].update(lambda_bn=lambdas[0], lambda_adv=lambdas[1])
@@ -73,7 +75,7 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
         "partition": partition(setting), "clients": clients,
         "client": {"model": "cnn2", "epochs": b["client_epochs"], "batch_size": 128, "lr": 0.01, "momentum": 0.9},
         "server": {"model": "cnn2"},
-        "methods": {m: per_method[m] for m in ("ensemble", *methods)},
+        "methods": {m: per_method[m] for m in ("ensemble", *methods, *(EXTRA if methods == METHODS else ()))},
     }
 
 
@@ -121,7 +123,7 @@ def report(root: Path, budget: str) -> str:
         lines += [f"### {dataset.upper()} (5 clients, cnn2): best-over-epochs % (final %) | paper", "",
                   "| method | " + " | ".join(f"α={s}" if s != "2c/c" else "2c/c" for s in SETTINGS) + " |",
                   "|---|" + "---|" * len(SETTINGS)]
-        for method in ("ensemble", *METHODS):
+        for method in ("ensemble", *METHODS, *EXTRA):
             row = [LABELS[method]]
             for i, setting in enumerate(SETTINGS):
                 runs = [s["results"][method] for s in main if _setting_of(s["config"]) == setting
