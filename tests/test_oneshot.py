@@ -222,3 +222,16 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     r, f = resumed["results"]["fedhydra"], full["results"]["fedhydra"]
     assert r["resumed_from_epoch"] == 2
     assert r["accuracy"] == pytest.approx(f["accuracy"], abs=1e-6)
+
+
+def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
+    from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra, FedHydraLog1p
+
+    with pytest.raises(ValueError, match="u_transform must be one of"):
+        FedHydra({"u_transform": "sqrt"}).check(None)
+    assert FedHydraLog1p({}).params["u_transform"] == "log1p" and FedHydra({}).params["u_transform"] == "none"
+    U = torch.tensor([[1.0, 1e5, 3.0], [2e3, 0.5, 10.0]], dtype=torch.float64)
+    _, plain = normalise_rows_and_columns(U_TRANSFORMS["none"](U))
+    _, compressed = normalise_rows_and_columns(U_TRANSFORMS["log1p"](U))
+    assert torch.equal(plain.argsort(dim=0), compressed.argsort(dim=0))  # same ranking per client
+    assert float(compressed.min()) > float(plain.min())  # range compressed: no near-zero weights
