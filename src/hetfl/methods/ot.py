@@ -25,6 +25,7 @@ import ot as pot
 import torch
 from torch import nn
 
+from hetfl.fl.aggregate import weighted_average
 from hetfl.fl.method import OneShotMethod, ServerContext, register
 from hetfl.fl.payload import Payload
 from hetfl.methods.common import client_models
@@ -96,14 +97,7 @@ def fuse(states: list[dict[str, torch.Tensor]], layers: list[tuple[str, nn.Modul
                     out[f"{bn}.{key}"] = (T.t() @ v.double()).to(v.dtype)
             T_prev = T
         aligned.append(out)
-    w = torch.tensor(weights, dtype=torch.float64)
-    w = w / w.sum()
-    fused = {}
-    for key, ref in states[anchor].items():
-        stacked = torch.stack([a[key].double() for a in aligned])
-        mean = torch.tensordot(w, stacked, dims=1)
-        fused[key] = mean.round().to(ref.dtype) if not ref.dtype.is_floating_point else mean.to(ref.dtype)
-    return fused
+    return weighted_average(aligned, weights)
 
 
 @register("ot")
