@@ -67,12 +67,13 @@ class HetflModel(nn.Module):
         return ModelSpec(self.arch, self.in_channels, self.image_size, self.num_classes)
 
     def extract(self, x: Tensor) -> Tensor:
-        """Map images ``(N, C, S, S)`` to penultimate features ``(N, *feature_shape)``."""
-        raise NotImplementedError
+        """Map images ``(N, C, S, S)`` to penultimate features ``(N, *feature_shape)``;
+        default: ``self.features(x)``."""
+        return self.features(x)
 
     def classify(self, h: Tensor) -> Tensor:
-        """Map features ``(N, *feature_shape)`` to logits ``(N, num_classes)``."""
-        raise NotImplementedError
+        """Map features ``(N, *feature_shape)`` to logits ``(N, num_classes)``; default: ``self.fc(h)``."""
+        return self.fc(h)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classify(self.extract(x))

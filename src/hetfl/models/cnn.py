@@ -10,7 +10,7 @@ dummy forward so every supported input works.
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
 from .base import HetflModel, probe_shape
 
@@ -38,12 +38,6 @@ class CNN2(HetflModel):
         self.fc = nn.Linear(flat, num_classes)
         self._record_feature_shape()
 
-    def extract(self, x: Tensor) -> Tensor:
-        return self.features(x)
-
-    def classify(self, h: Tensor) -> Tensor:
-        return self.fc(h)
-
 
 class CNN3(HetflModel):
     """DENSE ``CNNCifar``; ~319 k parameters at 3x32x32 with 10 classes."""
@@ -67,9 +61,3 @@ class CNN3(HetflModel):
         (flat,) = probe_shape(self.features, self, in_channels, image_size)
         self.fc = nn.Linear(flat, num_classes)
         self._record_feature_shape()
-
-    def extract(self, x: Tensor) -> Tensor:
-        return self.features(x)
-
-    def classify(self, h: Tensor) -> Tensor:
-        return self.fc(h)

@@ -64,9 +64,3 @@ class MobileNetV2(HetflModel):
         self.features = nn.Sequential(*layers)
         self.fc = nn.Linear(1280, num_classes)
         self._record_feature_shape()
-
-    def extract(self, x: Tensor) -> Tensor:
-        return self.features(x)
-
-    def classify(self, h: Tensor) -> Tensor:
-        return self.fc(h)

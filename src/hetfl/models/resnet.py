@@ -43,9 +43,3 @@ class ResNet18(HetflModel):
         self.features = nn.Sequential(*layers)
         self.fc = nn.Linear(width, num_classes)
         self._record_feature_shape()
-
-    def extract(self, x: Tensor) -> Tensor:
-        return self.features(x)
-
-    def classify(self, h: Tensor) -> Tensor:
-        return self.fc(h)
