@@ -120,9 +120,10 @@ def report(root: Path, budget: str) -> str:
                 and "-l" not in s["config"]["name"]]
         if not main:
             continue
-        lines += [f"### {dataset.upper()} (5 clients, cnn2): best-over-epochs % (final %) | paper", "",
-                  "| method | " + " | ".join(f"α={s}" if s != "2c/c" else "2c/c" for s in SETTINGS) + " |",
-                  "|---|" + "---|" * len(SETTINGS)]
+        names = [f"α={s}" if s != "2c/c" else "2c/c" for s in SETTINGS]
+        lines += [f"### {dataset.upper()} (5 clients, cnn2): ours = best-over-epochs % (final %), then the paper's", "",
+                  "| method | " + " | ".join(f"{n} ours | {n} paper" for n in names) + " |",
+                  "|---|" + "---|---|" * len(SETTINGS)]
         for method in ("ensemble", *METHODS, *EXTRA):
             row = [LABELS[method]]
             for i, setting in enumerate(SETTINGS):
@@ -131,7 +132,7 @@ def report(root: Path, budget: str) -> str:
                 ours = f"{_stats([r['best_accuracy'] for r in runs])} ({_stats([r['accuracy'] for r in runs])})"
                 paper = PAPER[dataset].get(method, [None] * 5)[i]
                 seeds = f" n={len(runs)}" if runs else ""
-                row.append(f"{ours if runs else 'not run'}{seeds} | {paper if paper is not None else '-'}")
+                row.append(f"{ours if runs else 'not run'}{seeds} | {f'{paper:.2f}' if paper is not None else '-'}")
             lines.append("| " + " | ".join(row) + " |")
         minutes = [s.get("minutes") for s in main if s.get("minutes")]
         if minutes:
@@ -141,14 +142,15 @@ def report(root: Path, budget: str) -> str:
     abl = [s for s in cells if "-l" in s["config"]["name"]]
     if abl:
         lines += ["### Table 6 ablation (FedHydra, α = 0.5): best % | paper", "",
-                  "| λ1 | λ2 | " + " | ".join(DATASETS) + " |", "|---|---|" + "---|" * len(DATASETS)]
+                  "| λ1 | λ2 | " + " | ".join(f"{d} ours | {d} paper" for d in DATASETS) + " |",
+                  "|---|---|" + "---|---|" * len(DATASETS)]
         for i, (l1, l2) in enumerate(ABLATION):
             cols = []
             for dataset in DATASETS:
                 runs = [s["results"]["fedhydra"]["best_accuracy"] for s in abl if s["config"]["dataset"] == dataset
                         and s["config"]["methods"]["fedhydra"].get("lambda_bn") == l1
                         and s["config"]["methods"]["fedhydra"].get("lambda_adv") == l2]
-                cols.append(f"{_stats(runs) if runs else 'not run'} | {PAPER_ABLATION[dataset][i]}")
+                cols.append(f"{_stats(runs) if runs else 'not run'} | {PAPER_ABLATION[dataset][i]:.2f}")
             lines.append(f"| {l1} | {l2} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -161,12 +163,16 @@ def _ordering(cells: list[dict[str, Any]]) -> str:
         if not runs or any("fedhydra" not in s["results"] for s in runs):
             continue
         mean = {m: statistics.fmean(s["results"][m]["best_accuracy"] for s in runs)
-                for m in METHODS if all(m in s["results"] for s in runs)}
-        others = {m: v for m, v in mean.items() if m != "fedhydra"}
+                for m in (*METHODS, *EXTRA) if all(m in s["results"] for s in runs)}
+        others = {m: v for m, v in mean.items() if m not in ("fedhydra", *EXTRA)}
         best_other = max(others, key=others.get) if others else None
         ok = best_other is None or mean["fedhydra"] > others[best_other]
-        verdicts.append(f"{setting}: {'FedHydra first' if ok else f'FedHydra below {LABELS[best_other]}'}"
-                        f" ({mean['fedhydra']:.2f} vs best baseline {others.get(best_other, float('nan')):.2f})")
+        verdict = (f"{setting}: {'FedHydra first' if ok else f'FedHydra below {LABELS[best_other]}'}"
+                   f" ({mean['fedhydra']:.2f} vs best baseline {others.get(best_other, float('nan')):.2f})")
+        for extra in EXTRA:
+            if extra in mean:
+                verdict += f", {LABELS[extra]} {mean[extra]:.2f}"
+        verdicts.append(verdict)
     return "Ordering under strong heterogeneity: " + ("; ".join(verdicts) if verdicts else "no complete cells yet")
 
 
