@@ -38,7 +38,7 @@ def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
         ("partition.beta=1", "does not take"),
         ("methods.fedavg.mu=1", "method 'fedavg' does not take \\['mu'\\]"),
         ("methods.fedavg.rounds=0", "rounds must be a positive integer"),
-        ("methods.nope={}", "unknown method 'nope'; choose one of: central, ensemble, fedavg"),
+        ("methods.nope={}", "unknown method 'nope'; choose one of: central, coboosting, dense, ensemble"),
         ("clients=0", "clients must be a positive integer"),
         ("client.lr=-1", "bad local training config"),
         ("client.precision=fp8", "precision must be fp32 or bf16"),

@@ -69,7 +69,7 @@ def test_bn_loss_is_zero_exactly_when_batch_matches_stored_statistics():
     bn = BNStatsLoss([model, nn.Linear(2, 2)])  # a model without BN contributes 0
     model(x)
     per_model = bn.per_model()
-    assert per_model.shape == (2,) and float(per_model[0].detach()) < 1e-6 and float(per_model[1]) == 0
+    assert per_model.shape == (2,) and float(per_model[0].detach()) < 1e-6 and float(per_model[1].detach()) == 0
     bn.clear()
     model(x * 2)
     assert float(bn.per_model()[0]) > 0.1
@@ -222,6 +222,9 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     r, f = resumed["results"]["fedhydra"], full["results"]["fedhydra"]
     assert r["resumed_from_epoch"] == 2
     assert r["accuracy"] == pytest.approx(f["accuracy"], abs=1e-6)
+    assert r["best_accuracy"] == pytest.approx(f["best_accuracy"], abs=1e-6)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "fedhydra" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, -1]  # epochs before the checkpoint kept, none twice
 
 
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():

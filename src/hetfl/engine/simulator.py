@@ -142,7 +142,7 @@ class Simulator:
             train_cfg=train_cfg, device=exp.device, out_dir=method_dir, evaluate=evaluate_model,
             log=lambda step, **m: self._log(name, step, **m), progress=self.progress,
             pooled_train_data=pooled, dataset=cfg["dataset"], data_root=Path(self.data_root or cfg["data_root"]),
-            resume=self.resume,
+            resume=self.resume, trim_log=lambda step: self._trim_metrics(name, step),
         )
 
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
@@ -240,7 +240,8 @@ class Simulator:
         if isinstance(method, RoundMethod):
             models = self._rounds(name, method, ctx, ledger, history, config_hash(self.exp.cfg, name))
         else:
-            self._trim_metrics(name, 0)
+            if not (ctx.out_dir / "checkpoint.json").is_file():  # a checkpointing stage trims on resume itself
+                self._trim_metrics(name, 0)
             models = self._one_shot(method, ctx, ledger)
         seconds = time.perf_counter() - start
         reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}

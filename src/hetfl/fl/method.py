@@ -58,6 +58,7 @@ class ServerContext:
     dataset: str = ""
     data_root: Path = Path("data")
     resume: bool = True
+    trim_log: Callable[[int], None] = lambda step: None  # drop logged rows after ``step`` (on resume)
     record: dict[str, Any] = field(default_factory=dict)
 
     def build(self, arch: str, purpose: str = "global") -> nn.Module:
