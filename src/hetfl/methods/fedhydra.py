@@ -43,6 +43,7 @@ Choices where the paper is silent (stated, and exposed as keys):
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
@@ -203,8 +204,6 @@ class FedHydra(DataFreeMethod):
             saved = json.loads(path.read_text())
             U = torch.tensor(saved["U"], dtype=torch.float64)
         else:
-            import time
-
             start = time.perf_counter()
             U = stratify(teachers, ctx.num_classes, ctx.shape, cfg.generator_steps, self.params["strat_batch_size"],
                          cfg.generator_lr, cfg.nz, ctx.seed, ctx.device, ctx.progress).cpu()
