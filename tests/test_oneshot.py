@@ -238,3 +238,11 @@ def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
     _, compressed = normalise_rows_and_columns(U_TRANSFORMS["log1p"](U))
     assert torch.equal(plain.argsort(dim=0), compressed.argsort(dim=0))  # same ranking per client
     assert float(compressed.min()) > float(plain.min())  # range compressed: no near-zero weights
+
+
+def test_bad_generator_settings_fail_before_any_training(tmp_path):
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"fedavg": {}, "dense": {"epochs": 0}}
+    with pytest.raises(ValueError, match="methods.dense: epochs, generator_steps >= 1"):
+        Simulator(prepare(validate(cfg)), tmp_path, None, quiet=True).run()
+    assert not (tmp_path / "fedavg" / "fedavg.safetensors").exists()

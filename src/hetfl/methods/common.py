@@ -52,6 +52,10 @@ class DataFreeMethod(OneShotMethod):
         keys = {f.name for f in fields(DataFreeConfig)}
         return DataFreeConfig(**{k: v for k, v in self.params.items() if k in keys})
 
+    def check(self, ctx: ServerContext) -> None:
+        """Bad loop settings (epochs, batch size, precision) fail before any training."""
+        self.config  # noqa: B018  (constructing DataFreeConfig validates it)
+
     def recipe(self, teachers: list[nn.Module], ctx: ServerContext) -> Recipe:
         raise NotImplementedError
 

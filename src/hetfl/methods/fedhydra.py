@@ -191,6 +191,7 @@ class FedHydra(DataFreeMethod):
                                        "u_transform": "none"}
 
     def check(self, ctx: ServerContext) -> None:
+        super().check(ctx)
         if self.params["u_transform"] not in U_TRANSFORMS:
             raise ValueError(f"fedhydra: u_transform must be one of {sorted(U_TRANSFORMS)}, "
                              f"got {self.params['u_transform']!r}")
