@@ -9,7 +9,7 @@ DATA   ?= data
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,flower]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -26,8 +26,11 @@ class ConfigError(ValueError):
 TOP_KEYS = {
     "name": "experiment", "seed": 0, "dataset": None, "data": {}, "data_root": "data",
     "partition": None, "clients": None, "client": {}, "server": {}, "methods": None,
-    "device": "auto", "eval_every": 1,
+    "device": "auto", "eval_every": 1, "min_clients": 1, "flower": {},
 }
+# Settings of the Flower engine (ignored by the in-process simulator): seconds to wait for the
+# uploads of one exchange, and for the SuperNodes to connect before the first exchange.
+FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}
 SERVER_KEYS = {"model"}
 REQUIRED = ("dataset", "partition", "clients", "methods")
@@ -124,6 +127,14 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
             create_method(name, cfg["methods"][name])
         except ValueError as err:
             raise ConfigError(f"methods: {err}") from err
+    if not isinstance(cfg["min_clients"], int) or cfg["min_clients"] < 1:
+        raise ConfigError(f"min_clients must be a positive integer, got {cfg['min_clients']!r}")
+    flower = dict(cfg["flower"] or {})
+    _check_keys("flower", flower, set(FLOWER_KEYS))
+    cfg["flower"] = {**FLOWER_KEYS, **flower}
+    for key, value in cfg["flower"].items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"flower.{key} must be a positive number of seconds, got {value!r}")
     if not isinstance(cfg["eval_every"], int) or cfg["eval_every"] < 1:
         raise ConfigError(f"eval_every must be a positive integer, got {cfg['eval_every']!r}")
     return cfg

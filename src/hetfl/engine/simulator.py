@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -38,8 +39,20 @@ from hetfl.fl.method import (
     create_method,
     sample_clients,
 )
-from hetfl.fl.payload import Payload, json_safe
+from hetfl.fl.payload import Payload, PayloadError, json_safe
 from hetfl.fl.training import TrainConfig, evaluate
+
+log = logging.getLogger("hetfl")
+
+
+class Transport(Protocol):
+    """How one exchange's messages reach remote clients (for example the Flower adapter).
+
+    ``exchange`` returns the uploads that arrived and, for every other addressed client, the
+    reason it is missing (timeout, error reply, not connected). The simulator's own default is
+    in-process and needs no transport."""
+
+    def exchange(self, round_: int, messages: dict[int, Payload]) -> tuple[dict[int, Payload], dict[int, str]]: ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,13 +67,14 @@ class Experiment:
 
     cfg: dict[str, Any]
     splits: DatasetSplits
-    partition: Partition
+    partition: Partition | None  # None on a remote server, which never sees the clients' data
     archs: list[str]
     device: torch.device
     client_data: list[ImageDataset] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client_data = [self.splits.train.subset(torch.from_numpy(idx)) for idx in self.partition.indices]
+        indices = self.partition.indices if self.partition is not None else []
+        self.client_data = [self.splits.train.subset(torch.from_numpy(idx)) for idx in indices]
 
     def fingerprint(self, client_id: int) -> dict[str, Any]:
         idx = self.partition.indices[client_id]
@@ -71,16 +85,17 @@ class Experiment:
         }
 
 
-def prepare(cfg: dict[str, Any], data_root: str | None = None) -> Experiment:
-    """Load the dataset and make the partition (fails early on bad partitions)."""
+def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool = True) -> Experiment:
+    """Load the dataset and make the partition (fails early on bad partitions). A remote
+    server (``partitioned=False``) only evaluates on the test split and never partitions."""
     splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
-                               num_classes=splits.num_classes)
+                               num_classes=splits.num_classes) if partitioned else None
     return Experiment(cfg, splits, partition, client_archs(cfg), resolve_device(cfg["device"]))
 
 
 def config_hash(cfg: dict[str, Any], method: str) -> str:
-    keep = {k: v for k, v in cfg.items() if k not in ("methods", "name", "device", "eval_every")}
+    keep = {k: v for k, v in cfg.items() if k not in ("methods", "name", "device", "eval_every", "flower")}
     keep["method"] = {method: cfg["methods"][method]}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -89,8 +104,12 @@ class Simulator:
     """Runs the methods of one :class:`Experiment` and writes their outputs under ``out_dir``."""
 
     def __init__(self, exp: Experiment, out_dir: Path, cache_dir: Path | None = None,
-                 quiet: bool = False, resume: bool = True, data_root: str | None = None) -> None:
+                 quiet: bool = False, resume: bool = True, data_root: str | None = None,
+                 transport: Transport | None = None) -> None:
         self.exp = exp
+        self.transport = transport
+        if transport is None and exp.partition is None:
+            raise ValueError("an in-process simulation needs the partitioned client data")
         self.data_root = data_root
         self.out_dir = Path(out_dir)
         self.cache = UploadCache(cache_dir) if cache_dir else None
@@ -98,6 +117,7 @@ class Simulator:
         self.resume = resume
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.cached_calls = 0
+        self.engine_info: dict[str, Any] = {"name": "simulator"} if transport is None else {"name": "remote"}
 
     # ---- helpers lent to methods -------------------------------------------------------------
     def progress(self, iterable: Any = None, **kw: Any) -> tqdm:
@@ -129,6 +149,9 @@ class Simulator:
             return report
 
         def pooled() -> ImageDataset:
+            if exp.partition is None:
+                raise ValueError("this method needs the clients' raw data on the server (centralised "
+                                 "training); it cannot run on a remote engine")
             for cid, data in enumerate(exp.client_data):  # raw data travels: count it
                 ledger.add(0, cid, "up", data.x.numel() * data.x.element_size() + data.y.numel())
             index = torch.from_numpy(np.concatenate(exp.partition.indices))
@@ -174,18 +197,53 @@ class Simulator:
         return upload
 
     # ---- drivers -------------------------------------------------------------------------------
+    def _exchange(self, method: Method, ctx: ServerContext, round_: int, messages: dict[int, Payload],
+                  ledger: CommLedger, states: dict[int, dict], cacheable: bool,
+                  timing: dict[int, float] | None = None, desc: str = "") -> dict[int, Payload]:
+        """Send ``messages``, collect the uploads, and keep those ``method.validate_upload``
+        accepts. Missing and rejected clients are logged and recorded, never fatal here."""
+        failures: dict[int, str] = {}
+        if self.transport is None:
+            bar = self.progress(list(messages), desc=desc, unit="client")
+            uploads = {cid: self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar)
+                       for cid in bar}
+        else:
+            for cid, message in messages.items():
+                ledger.add(round_, cid, "down", message.nbytes)
+            uploads, failures = self.transport.exchange(round_, messages)
+            for cid, upload in uploads.items():
+                ledger.add(round_, cid, "up", upload.nbytes)
+        accepted: dict[int, Payload] = {}
+        for cid, upload in sorted(uploads.items()):
+            try:
+                method.validate_upload(cid, messages[cid], upload, ctx)
+                accepted[cid] = upload
+            except PayloadError as err:
+                failures[cid] = f"upload rejected: {err}"
+        for cid, reason in sorted(failures.items()):
+            log.warning("%s: round %d: client %d left out: %s", method.name, round_, cid, reason)
+            ctx.record.setdefault("client_failures", []).append({"round": round_, "client": cid, "reason": reason})
+        return accepted
+
     def _one_shot(self, method: OneShotMethod, ctx: ServerContext, ledger: CommLedger) -> dict[str, nn.Module]:
         uploads: dict[int, Payload] = {}
         ctx.record["client_seconds"] = 0.0
         if method.needs_uploads:
             timing: dict[int, float] = {}
             self.cached_calls = 0
-            bar = self.progress(range(ctx.num_clients), desc=f"{method.name}: local training", unit="client")
-            for cid in bar:
-                message = method.client_message(cid, ctx)
-                uploads[cid] = self._client(cid, message, 0, ledger, {}, cacheable=True, timing=timing, bar=bar)
+            messages = {cid: method.client_message(cid, ctx) for cid in range(ctx.num_clients)}
+            uploads = self._exchange(method, ctx, 0, messages, ledger, {}, cacheable=True, timing=timing,
+                                     desc=f"{method.name}: local training")
             ctx.record["client_seconds"] = sum(timing.values())
-            ctx.record["cached_uploads"] = self.cached_calls
+            if self.transport is None:
+                ctx.record["cached_uploads"] = self.cached_calls
+            missing = sorted(set(messages) - set(uploads))
+            if missing:
+                ctx.record["missing_clients"] = missing
+            need = min(int(self.exp.cfg["min_clients"]), ctx.num_clients)
+            if len(uploads) < need:
+                raise RuntimeError(f"{method.name}: only {len(uploads)} of {ctx.num_clients} clients uploaded "
+                                   f"(min_clients = {need}); missing {missing}")
         start = time.perf_counter()
         models = method.server(uploads, ctx)
         ctx.record["server_seconds"] = time.perf_counter() - start
@@ -212,9 +270,10 @@ class Simulator:
                             unit="round", initial=start_round - 1, total=method.rounds)
         for round_ in bar:
             chosen = sample_clients(ctx.num_clients, method.sample_ratio, round_, ctx.seed)
-            uploads = {cid: self._client(cid, method.client_message(cid, round_, ctx), round_, ledger,
-                                         states, cacheable=False) for cid in chosen}
-            method.aggregate(round_, uploads, ctx)
+            messages = {cid: method.client_message(cid, round_, ctx) for cid in chosen}
+            uploads = self._exchange(method, ctx, round_, messages, ledger, states, cacheable=False)
+            if uploads:  # a round whose every client failed leaves the global model as it was
+                method.aggregate(round_, uploads, ctx)
             if round_ % every == 0 or round_ == method.rounds:
                 head = next(iter(method.models().values()))
                 report = ctx.evaluate(head)
@@ -265,7 +324,8 @@ class Simulator:
 
     def run(self) -> dict[str, Any]:
         exp = self.exp
-        (self.out_dir / "partition.json").write_text(json.dumps(exp.partition.stats()))
+        if exp.partition is not None:
+            (self.out_dir / "partition.json").write_text(json.dumps(exp.partition.stats()))
         (self.out_dir / "config.json").write_text(json.dumps(exp.cfg, indent=1))
         for name, params in exp.cfg["methods"].items():  # every method checks the setting before any training
             self._check(name, create_method(name, params))
@@ -283,7 +343,9 @@ class Simulator:
         summary = {
             "config": self.exp.cfg,
             "results": results,
-            "clients": {"archs": self.exp.archs, "sizes": self.exp.partition.sizes.tolist()},
+            "clients": {"archs": self.exp.archs, **({"sizes": self.exp.partition.sizes.tolist()}
+                                                    if self.exp.partition is not None else {})},
+            "engine": self.engine_info,
             "environment": {"hetfl": hetfl.__version__, "torch": torch.__version__,
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),
                             "machine": platform.machine(), "python": platform.python_version()},

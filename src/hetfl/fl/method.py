@@ -28,9 +28,9 @@ from torch import nn
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.client import train_message
-from hetfl.fl.payload import Payload
+from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.training import TrainConfig
-from hetfl.models import build_model
+from hetfl.models import MODEL_NAMES, build_model
 
 
 def derive_seed(*parts: Any) -> int:
@@ -93,6 +93,25 @@ class Method(ABC):
         method before any training, so a bad combination fails early). Default: any setting."""
         return None
 
+    def validate_upload(self, client_id: int, message: Payload, upload: Payload, ctx: ServerContext) -> None:
+        """Raise :class:`PayloadError` unless ``upload`` answers ``message`` from ``client_id``.
+
+        Engines call this on every upload before the server part sees it, and drop (and log) the
+        uploads it rejects. Default: the task and client id match the request, values are finite,
+        and a classifier upload has the requested architecture with its exact tensor names and
+        shapes. Methods whose uploads are not classifiers may override it."""
+        if upload.meta.get("task") != message.meta.get("task"):
+            raise PayloadError(f"task {upload.meta.get('task')!r} answers a {message.meta.get('task')!r} request")
+        if upload.meta.get("client_id") != client_id:
+            raise PayloadError(f"upload claims client {upload.meta.get('client_id')!r}, expected {client_id}")
+        arch = message.meta.get("arch")
+        if arch in MODEL_NAMES and "arch" in upload.meta:
+            if upload.meta["arch"] != arch:
+                raise PayloadError(f"architecture {upload.meta['arch']!r}, expected {arch!r}")
+            upload.validate(_state_shapes(arch, ctx.shape, ctx.num_classes), required_meta=("num_samples",))
+        else:
+            upload.validate()
+
     def local_config(self, ctx: ServerContext) -> TrainConfig:
         """The clients' training config, with this method's ``client:`` overrides applied."""
         base = ctx.train_cfg.to_dict()
@@ -100,6 +119,19 @@ class Method(ABC):
         if unknown:
             raise ValueError(f"method {self.name!r}: unknown client keys {unknown}; valid: {sorted(base)}")
         return TrainConfig(**{**base, **self.client_overrides})
+
+
+_SHAPES: dict[tuple[str, tuple[int, int, int], int], dict[str, tuple[int, ...]]] = {}
+
+
+def _state_shapes(arch: str, shape: tuple[int, int, int], num_classes: int) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an architecture's state dict (built once per setting)."""
+    key = (arch, tuple(shape), num_classes)
+    if key not in _SHAPES:
+        with torch.random.fork_rng(devices=[]):  # building must not move the caller's RNG
+            model = build_model(arch, shape[0], shape[1], num_classes)
+        _SHAPES[key] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return _SHAPES[key]
 
 
 class OneShotMethod(Method):

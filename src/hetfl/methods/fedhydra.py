@@ -34,6 +34,13 @@ Choices where the paper is silent (stated, and exposed as keys):
   five orders of magnitude (measured on MNIST, Dir(0.1)); Eq. 8 then scales whole classes' logits
   by near-zero weights, and the distilled student inherits that per-class gain (see
   docs/results/fedhydra.md). ``log1p`` keeps the ordering of U and compresses its range.
+* Ablation keys (not in the paper): ``aggregation: mean`` replaces Eq. 8-11 by the plain average
+  of client logits (DENSE's teacher) while keeping FedHydra's losses; ``reset_generator: true``
+  re-initialises the generator every epoch as DENSE does (z is still not optimised).
+* ``column_scale: mean`` (not in the paper; default ``sum`` = Eq. 7) multiplies U_c by c. Eq. 7
+  makes each column sum to 1, so with near-uniform weights Eq. 8 divides every logit by ~c: a
+  teacher temperature of ~c in Eq. 13, 15 and 17 that the paper does not mention. Scaling by c
+  keeps the relative weights and the argmax of P and removes that temperature.
 * Stratification uses its own batch ``strat_batch_size`` (default 64: Alg. 2 says "a batch";
   the loss trajectory, not the images, is what is used) and the generator's default Adam
   (lr ``generator_lr``, betas 0.5/0.999, as DENSE). Labels are uniform; the student starts
@@ -162,6 +169,7 @@ def stratified_aggregation(logits: torch.Tensor, y: torch.Tensor, U_r: torch.Ten
 
 
 U_TRANSFORMS = {"none": lambda U: U, "log1p": torch.log1p}
+AGGREGATIONS = ("stratified", "mean")
 
 
 class FedHydraRecipe(Recipe):
@@ -169,10 +177,14 @@ class FedHydraRecipe(Recipe):
     reset_generator = False
     optimize_z = False
 
-    def __init__(self, U_r: torch.Tensor, U_c: torch.Tensor, beta: float) -> None:
+    def __init__(self, U_r: torch.Tensor, U_c: torch.Tensor, beta: float, aggregation: str = "stratified",
+                 reset_generator: bool = False) -> None:
         self.U_r, self.U_c, self.beta = U_r, U_c, beta
+        self.aggregation, self.reset_generator = aggregation, reset_generator
 
     def aggregate(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.aggregation == "mean":  # ablation: DENSE's average ensemble with FedHydra's losses
+            return logits.mean(dim=0)
         return stratified_aggregation(logits, y, self.U_r.to(logits.dtype), self.U_c.to(logits.dtype))
 
     def generator_loss(self, P: torch.Tensor, s: torch.Tensor, y: torch.Tensor, bn: torch.Tensor,
@@ -188,13 +200,23 @@ class FedHydraRecipe(Recipe):
 class FedHydra(DataFreeMethod):
     name = "fedhydra"
     method_defaults: dict[str, Any] = {"lr": 0.01, "beta": 1.0, "strat_batch_size": 64, "temperature": 1.0,
-                                       "u_transform": "none"}
+                                       "u_transform": "none", "aggregation": "stratified",
+                                       "reset_generator": False, "column_scale": "sum"}
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
         if self.params["u_transform"] not in U_TRANSFORMS:
             raise ValueError(f"fedhydra: u_transform must be one of {sorted(U_TRANSFORMS)}, "
                              f"got {self.params['u_transform']!r}")
+        if self.params["aggregation"] not in AGGREGATIONS:
+            raise ValueError(f"fedhydra: aggregation must be one of {list(AGGREGATIONS)}, "
+                             f"got {self.params['aggregation']!r}")
+        if self.params["column_scale"] not in ("sum", "mean"):
+            raise ValueError("fedhydra: column_scale must be 'sum' (Eq. 7) or 'mean', "
+                             f"got {self.params['column_scale']!r}")
+        if not isinstance(self.params["reset_generator"], bool):
+            raise ValueError("fedhydra: reset_generator must be true or false, "
+                             f"got {self.params['reset_generator']!r}")
 
     def recipe(self, teachers: list[nn.Module], ctx: ServerContext) -> Recipe:
         cfg = self.config
@@ -212,7 +234,9 @@ class FedHydra(DataFreeMethod):
         U_r, U_c = normalise_rows_and_columns(U_TRANSFORMS[self.params["u_transform"]](U))
         path.write_text(json.dumps({"U": U.tolist(), "U_r": U_r.tolist(), "U_c": U_c.tolist(), "key": key}))
         plot_weights(U_c, ctx.out_dir / "U_c.png")
-        return FedHydraRecipe(U_r.float().to(ctx.device), U_c.float().to(ctx.device), float(self.params["beta"]))
+        scale = ctx.num_classes if self.params["column_scale"] == "mean" else 1  # columns average 1
+        return FedHydraRecipe(U_r.float().to(ctx.device), scale * U_c.float().to(ctx.device),
+                              float(self.params["beta"]), self.params["aggregation"], self.params["reset_generator"])
 
     def after(self, engine: DataFreeDistiller, ctx: ServerContext) -> None:
         if engine.last_batch is not None:

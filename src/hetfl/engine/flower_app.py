@@ -1,0 +1,222 @@
+"""The Flower adapter: one generic ``ServerApp`` and one generic ``ClientApp`` for every method.
+
+Nothing here knows a method by name. The ServerApp's ``main`` runs the in-process simulator's
+drivers (:class:`~hetfl.engine.simulator.Simulator`) with a :class:`FlowerTransport`, so a
+one-shot method makes one exchange and then runs its server stage, and a multi-round method
+makes one exchange per round with the same seeded client sampling. The ClientApp routes every
+``train.hetfl`` message to the client task named in the payload (:func:`hetfl.fl.client.handle`).
+
+Wire format: a :class:`~hetfl.fl.payload.Payload` travels as a ``RecordDict`` with its named
+tensors in the ``ArrayRecord`` ``"arrays"`` and its JSON metadata in the ``ConfigRecord``
+``"config"`` (key ``"meta"``), so the bytes the ledger counts are the tensors that are sent.
+
+Each SuperNode knows only its own partition: ``--node-config "partition-id=I num-partitions=N"``
+(plus an optional ``data-root``). It reads the experiment config from the run config, loads the
+dataset from its own disk, recomputes the seeded partition and keeps its own share only.
+
+Run configuration (``flwr run APP CONN --run-config FILE.toml``; values are scalars):
+``hetfl-config`` (the validated experiment config as JSON), ``out-dir`` (where the ServerApp
+writes ``summary.json``, as ``hetfl run`` does) and ``data-root`` (the server's dataset folder,
+used for the test split only).
+
+This module imports ``flwr``; install the extra ``hetfl[flower]``. The core package never
+imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from hetfl.config import validate
+from hetfl.data import ImageDataset, load_dataset, make_partition
+from hetfl.engine.simulator import Simulator, prepare, resolve_device
+from hetfl.fl.client import ClientEnv, handle
+from hetfl.fl.payload import Payload, PayloadError
+
+log = logging.getLogger("hetfl")
+
+TRAIN = "train.hetfl"  # run a client task, reply with its upload
+INFO = "query.hetfl_info"  # which partition does this node hold?
+STATE_ARRAYS, STATE_CONFIG = "hetfl.state.arrays", "hetfl.state.config"
+
+
+# ---- Payload <-> RecordDict ------------------------------------------------------------------
+def to_record(payload: Payload) -> RecordDict:
+    tensors = {k: v.detach().cpu().contiguous() for k, v in payload.tensors.items()}
+    return RecordDict({"arrays": ArrayRecord(torch_state_dict=tensors),
+                       "config": ConfigRecord({"meta": json.dumps(payload.meta)})})
+
+
+def from_record(content: RecordDict) -> Payload:
+    """Rebuild a payload; anything that is not a well-formed hetfl record raises PayloadError."""
+    try:
+        arrays = content.array_records["arrays"] if "arrays" in content.array_records else ArrayRecord()
+        meta = json.loads(str(content.config_records["config"]["meta"]))
+        tensors = dict(arrays.to_torch_state_dict())
+    except (KeyError, TypeError, ValueError) as err:
+        raise PayloadError(f"not a hetfl record (ArrayRecord 'arrays' + ConfigRecord 'config.meta'): {err}") from err
+    if not isinstance(meta, dict):
+        raise PayloadError("payload metadata must be a JSON object")
+    return Payload(tensors, meta)
+
+
+def state_to_records(state: dict[str, Any], context: Context) -> None:
+    """Keep a client's per-node state (tensors and JSON values) in ``context.state``."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    rest = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    context.state[STATE_ARRAYS] = ArrayRecord(torch_state_dict=tensors)
+    context.state[STATE_CONFIG] = ConfigRecord({"json": json.dumps(rest)})
+
+
+def state_from_records(context: Context) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if STATE_CONFIG in context.state.config_records:
+        state.update(json.loads(str(context.state.config_records[STATE_CONFIG]["json"])))
+    if STATE_ARRAYS in context.state.array_records:
+        state.update(context.state.array_records[STATE_ARRAYS].to_torch_state_dict())
+    return state
+
+
+# ---- client side -------------------------------------------------------------------------------
+def experiment_config(run_config: dict[str, Any]) -> dict[str, Any]:
+    if "hetfl-config" not in run_config:
+        raise ValueError("run config lacks 'hetfl-config' (the experiment config as JSON)")
+    return validate(json.loads(str(run_config["hetfl-config"])))
+
+
+@lru_cache(maxsize=2)
+def _client_data(cfg_json: str, data_root: str, partition_id: int) -> ImageDataset:
+    cfg = json.loads(cfg_json)
+    splits = load_dataset(cfg["dataset"], data_root, cfg["data"])
+    partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
+                               num_classes=splits.num_classes)
+    return splits.train.subset(torch.from_numpy(partition.indices[partition_id]))
+
+
+def node_partition(context: Context, cfg: dict[str, Any]) -> int:
+    """This node's partition id, checked against the experiment's number of clients."""
+    nc = context.node_config
+    if "partition-id" not in nc or "num-partitions" not in nc:
+        raise ValueError("start the SuperNode with --node-config \"partition-id=I num-partitions=N\"")
+    pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
+    if n != cfg["clients"] or not 0 <= pid < n:
+        raise ValueError(f"node config partition-id={pid} num-partitions={n} does not fit an experiment "
+                         f"with {cfg['clients']} clients")
+    return pid
+
+
+def client_env(context: Context) -> ClientEnv:
+    cfg = experiment_config(context.run_config)
+    pid = node_partition(context, cfg)
+    root = str(context.node_config.get("data-root", cfg["data_root"]))
+    data = _client_data(json.dumps(cfg, sort_keys=True), root, pid)
+    return ClientEnv(pid, data, resolve_device(cfg["device"]), state_from_records(context))
+
+
+client_app = ClientApp()
+
+
+@client_app.query("hetfl_info")
+def node_info(msg: Message, context: Context) -> Message:
+    cfg = experiment_config(context.run_config)
+    pid = node_partition(context, cfg)
+    return Message(RecordDict({"config": ConfigRecord({"partition-id": pid, "num-partitions": cfg["clients"]})}),
+                   reply_to=msg)
+
+
+@client_app.train("hetfl")
+def client_task(msg: Message, context: Context) -> Message:
+    env = client_env(context)
+    upload = handle(from_record(msg.content), env)
+    state_to_records(env.state, context)
+    return Message(to_record(upload), reply_to=msg)
+
+
+# ---- server side -------------------------------------------------------------------------------
+class FlowerTransport:
+    """Sends each exchange's messages to the SuperNodes holding the addressed partitions."""
+
+    def __init__(self, grid: Grid, num_clients: int, timeout: float, node_wait: float) -> None:
+        self.grid, self.num_clients, self.timeout, self.node_wait = grid, num_clients, timeout, node_wait
+        self.nodes: dict[int, int] = {}  # client (partition) id -> node id
+        self.exchanges = 0
+
+    def connect(self) -> dict[int, int]:
+        """Wait up to ``node_wait`` s for the SuperNodes, then ask each which partition it holds."""
+        deadline = time.monotonic() + self.node_wait
+        while len(ids := list(self.grid.get_node_ids())) < self.num_clients and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log.info("hetfl: %d SuperNode(s) connected (expected %d)", len(ids), self.num_clients)
+        queries = [Message(RecordDict(), dst_node_id=nid, message_type=INFO) for nid in ids]
+        for reply in self.grid.send_and_receive(queries, timeout=self.timeout):
+            nid = reply.metadata.src_node_id
+            if reply.has_error():
+                log.warning("hetfl: node %s refused the info query: %s", nid, reply.error.reason)
+                continue
+            pid = int(reply.content.config_records["config"]["partition-id"])
+            if pid in self.nodes:
+                log.warning("hetfl: node %s also claims partition %d (held by node %s): ignored",
+                            nid, pid, self.nodes[pid])
+                continue
+            self.nodes[pid] = nid
+        return self.nodes
+
+    def exchange(self, round_: int, messages: dict[int, Payload]) -> tuple[dict[int, Payload], dict[int, str]]:
+        self.exchanges += 1
+        failures = {cid: "no SuperNode holds this partition" for cid in messages if cid not in self.nodes}
+        by_node = {self.nodes[cid]: cid for cid in messages if cid in self.nodes}
+        out = [Message(to_record(messages[cid]), dst_node_id=nid, message_type=TRAIN, group_id=str(round_))
+               for nid, cid in by_node.items()]
+        start = time.perf_counter()
+        log.info("hetfl: round %d: sent %d message(s)", round_, len(out))
+        uploads: dict[int, Payload] = {}
+        for reply in self.grid.send_and_receive(out, timeout=self.timeout):
+            cid = by_node.get(reply.metadata.src_node_id)
+            if cid is None:
+                continue
+            if reply.has_error():
+                failures[cid] = f"client error: {reply.error.reason}"
+                continue
+            try:
+                uploads[cid] = from_record(reply.content)
+            except PayloadError as err:
+                failures[cid] = f"upload rejected: {err}"
+        for cid in by_node.values():
+            if cid not in uploads and cid not in failures:
+                failures[cid] = f"no reply within {self.timeout:g} s"
+        log.info("hetfl: round %d: %d upload(s) in %.1f s, %d missing", round_, len(uploads),
+                 time.perf_counter() - start, len(failures))
+        return uploads, failures
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = experiment_config(context.run_config)
+    out = Path(str(context.run_config.get("out-dir", f"runs/{cfg['name']}-flower")))
+    root = str(context.run_config.get("data-root", "")) or cfg["data_root"]
+    exp = prepare(cfg, root, partitioned=False)  # the server reads the test split only
+    transport = FlowerTransport(grid, cfg["clients"], float(cfg["flower"]["timeout"]),
+                                float(cfg["flower"]["node_wait"]))
+    nodes = transport.connect()
+    sim = Simulator(exp, out, cache_dir=None, quiet=True, resume=False, data_root=root, transport=transport)
+    sim.engine_info = {"name": "flower", "nodes": {str(k): v for k, v in sorted(nodes.items())},
+                       "missing_nodes": sorted(set(range(cfg["clients"])) - set(nodes))}
+    summary = sim.run()
+    for name, result in summary["results"].items():
+        log.info("hetfl: %s accuracy %.2f (best %.2f)", name, result["accuracy"], result["best_accuracy"])
+    log.info("hetfl: summary written to %s", out / "summary.json")

@@ -1,0 +1,414 @@
+"""``hetfl flower local``: a SuperLink and N SuperNodes on loopback, one run, then a clean stop.
+
+Starts every process in its own session (so its children, the ServerApp and ClientApp
+processes Flower spawns, are stopped with it), submits the run with ``flwr run``, streams its log,
+polls ``flwr list`` until the run has really finished (``flwr run`` returns on submission),
+reads the ``summary.json`` the ServerApp wrote, and stops everything it started, also on
+Ctrl-C and on failure. Offline: update check, telemetry and runtime dependency installation
+are off and ``FLWR_HOME`` is a temporary folder.
+
+``tls=True`` makes a throw-away CA and a server certificate for 127.0.0.1/localhost;
+``auth=True`` (implies TLS) also turns on SuperNode authentication and registers one EC P-384
+key per SuperNode with ``flwr supernode register``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTION = "hetfl"
+APP_PYPROJECT = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "hetfl-flower-app"
+version = "1.0.0"
+description = "hetfl's generic Flower app: every hetfl method through one ServerApp and one ClientApp"
+license = { file = "LICENSE" }
+dependencies = ["flwr>=1.41,<1.42", "hetfl"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "hetfl"
+fab-format-version = 1
+flwr-version-target = "1.41.0"
+
+[tool.flwr.app.components]
+serverapp = "hetfl.engine.flower_app:server_app"
+clientapp = "hetfl.engine.flower_app:client_app"
+
+[tool.flwr.app.config]
+hetfl-config = ""
+out-dir = ""
+data-root = ""
+"""
+
+
+class FlowerError(RuntimeError):
+    """The Flower run could not start or did not complete."""
+
+
+def flower_env(home: Path) -> dict[str, str]:
+    """The environment of every Flower process we start: offline and isolated."""
+    env = dict(os.environ)
+    env.update(FLWR_HOME=str(home), FLWR_DISABLE_UPDATE_CHECK="1", FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", PYTHONUNBUFFERED="1")
+    # the SuperLink and SuperNodes start flower-superexec / flwr-*app by name: use this venv's
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def processes_with_home(home: Path) -> list[int]:
+    """PIDs of processes whose environment has ``FLWR_HOME=home`` (Linux /proc). Flower starts
+    some helpers detached from our sessions (SuperExec); this finds them anyway."""
+    want = f"FLWR_HOME={home}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if want in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return [p for p in pids if p != os.getpid()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def binary(name: str) -> str:
+    """A Flower console script next to this interpreter (the venv's), else on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.is_file() else shutil.which(name)
+    if not found:
+        raise FlowerError(f"{name} not found: install the Flower extra with pip install 'hetfl[flower]'")
+    return found
+
+
+# ---- certificates and keys -------------------------------------------------------------------
+def make_certificates(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+                      days: int = 2) -> dict[str, Path]:
+    """A CA and a server certificate/key for ``hosts`` (PEM files in ``folder``), valid ``days``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hetfl throw-away CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP384R1())
+    names: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    return paths
+
+
+def make_node_key(path: Path) -> Path:
+    """An EC P-384 key pair for SuperNode authentication: ``path`` (private, PEM) and
+    ``path.pub`` (public, OpenSSH format, what ``flwr supernode register`` takes)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    path = Path(path)
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                       serialization.NoEncryption()))
+    path.chmod(0o600)
+    pub = path.with_name(path.name + ".pub")
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                  serialization.PublicFormat.OpenSSH))
+    return pub
+
+
+def write_app(folder: Path, cfg: dict[str, Any], out_dir: Path, data_root: str) -> Path:
+    """The Flower app folder ``flwr run`` submits: ``pyproject.toml`` naming hetfl's generic
+    ServerApp/ClientApp, a LICENSE, and ``run-config.toml`` carrying the experiment config.
+    ``out_dir`` and ``data_root`` are paths on the machine that runs the ServerApp."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(APP_PYPROJECT)
+    (folder / "LICENSE").write_text("hetfl is licensed under the Apache License, Version 2.0.\n")
+    (folder / "run-config.toml").write_text(f"hetfl-config = {json.dumps(json.dumps(cfg))}\n"
+                                            f"out-dir = {json.dumps(str(Path(out_dir).resolve()))}\n"
+                                            f"data-root = {json.dumps(str(Path(data_root).resolve()))}\n")
+    return folder
+
+
+# ---- the local federation ----------------------------------------------------------------------
+@dataclass
+class LocalFederation:
+    """A SuperLink and SuperNodes on 127.0.0.1 with their own ``FLWR_HOME``."""
+
+    num_nodes: int
+    tls: bool = False
+    auth: bool = False
+    data_root: str | None = None
+    log: Callable[[str], None] = print
+    home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hetfl-flower-")))
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    port: int = 0
+    certs: dict[str, Path] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.auth:
+            self.tls = True  # Flower's node authentication needs TLS
+        self.env = flower_env(self.home)
+        self.logs = self.home / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    # processes
+    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "wb") as out:
+            proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.home)
+        self.procs[name] = proc
+        return proc
+
+    def _security(self, node: bool) -> list[str]:
+        if not self.tls:
+            return ["--insecure"]
+        if node:
+            return ["--root-certificates", str(self.certs["ca"])]
+        return ["--ssl-ca-certfile", str(self.certs["ca"]), "--ssl-certfile", str(self.certs["cert"]),
+                "--ssl-keyfile", str(self.certs["key"])]
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([binary("flwr"), *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, cwd=self.home)
+
+    def start_superlink(self) -> None:
+        if self.tls:
+            self.certs = make_certificates(self.home / "certificates")
+        self.port = free_port()
+        cmd = [binary("flower-superlink"), *self._security(node=False), "--host", "127.0.0.1",
+               "--port", str(self.port), "--disable-runtime-dependency-installation"]
+        if self.auth:
+            cmd.append("--enable-supernode-auth")
+        self._start("superlink", cmd)
+        conn = [f"[superlink]\ndefault = \"{CONNECTION}\"\n\n[superlink.{CONNECTION}]",
+                f"address = \"127.0.0.1:{self.port}\""]
+        conn.append(f"root-certificates = \"{self.certs['ca']}\"" if self.tls else "insecure = true")
+        (self.home / "config.toml").write_text("\n".join(conn) + "\n")
+        self._wait_port(self.port, "superlink")
+
+    def _wait_port(self, port: int, name: str, seconds: float = 60) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise FlowerError(f"{name} exited with {self.procs[name].returncode}:\n{self.tail(name)}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.2)
+        raise FlowerError(f"{name} did not open port {port} in {seconds:g} s:\n{self.tail(name)}")
+
+    def start_supernode(self, pid: int, name: str | None = None, register: bool = True,
+                        extra: list[str] | None = None) -> subprocess.Popen:
+        """SuperNode holding partition ``pid``; with ``auth``, a fresh key registered (or not)."""
+        name = name or f"supernode-{pid}"
+        node_config = f"partition-id={pid} num-partitions={self.num_nodes}"
+        if self.data_root:
+            node_config += f" data-root='{Path(self.data_root).resolve()}'"
+        cmd = [binary("flower-supernode"), *self._security(node=True), "--superlink", f"127.0.0.1:{self.port}",
+               "--port", str(free_port()), "--node-config", node_config, *(extra or [])]
+        if self.auth:
+            key = self.home / "keys" / name
+            key.parent.mkdir(exist_ok=True)
+            pub = make_node_key(key)
+            if register:
+                done = self.flwr("supernode", "register", str(pub), CONNECTION)
+                if done.returncode != 0:
+                    raise FlowerError(f"flwr supernode register failed: {done.stdout}{done.stderr}")
+            cmd += ["--auth-supernode-private-key", str(key)]
+        return self._start(name, cmd)
+
+    def start(self) -> None:
+        self.start_superlink()
+        for pid in range(self.num_nodes):
+            self.start_supernode(pid)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+    def kill(self, name: str) -> None:
+        """Stop one process and its children (SIGTERM, then SIGKILL)."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # children that outlived their parent
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n != "superlink"] + ["superlink"]:
+            self.kill(name)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # detached helpers (SuperExec, app processes)
+            pids = processes_with_home(self.home)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 5
+            while pids and time.monotonic() < deadline:
+                time.sleep(0.1)
+                pids = processes_with_home(self.home)
+        for proc in self.procs.values():  # reap our direct children
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1)
+
+    def alive(self) -> list[int]:
+        """PIDs of any process of this federation still running (zombies excluded)."""
+        alive = []
+        for pid in processes_with_home(self.home):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        return alive
+
+    # runs
+    def submit(self, cfg: dict[str, Any], out_dir: Path, data_root: str) -> int:
+        app = write_app(self.home / "app", cfg, out_dir, data_root)
+        done = self.flwr("run", str(app), CONNECTION, "--run-config", str(app / "run-config.toml"),
+                         "--format", "json")
+        try:
+            return int(json.loads(done.stdout)["run-id"])
+        except (ValueError, KeyError) as err:
+            raise FlowerError(f"flwr run failed ({done.returncode}): {done.stdout}{done.stderr}") from err
+
+    def run_info(self, run_id: int) -> dict[str, Any]:
+        """``flwr list --run-id`` as a dictionary (status, network traffic, compute time)."""
+        done = self.flwr("list", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        try:
+            return dict(json.loads(done.stdout)["runs"][0])
+        except (ValueError, KeyError, IndexError, TypeError):
+            return {}
+
+    def status(self, run_id: int) -> str:
+        return str(self.run_info(run_id).get("status", "unknown"))
+
+    def stream(self, run_id: int) -> subprocess.Popen:
+        """Forward the run's log (``flwr log --stream``) to ``self.log`` from a thread."""
+        proc = subprocess.Popen([binary("flwr"), "log", str(run_id), CONNECTION, "--stream"], env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, cwd=self.home)
+        self.procs["log"] = proc
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.log(line.rstrip())
+
+        threading.Thread(target=pump, daemon=True).start()
+        return proc
+
+    def wait(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
+        """Poll until the run has finished; return its final status."""
+        deadline = time.monotonic() + timeout
+        status = "unknown"
+        while time.monotonic() < deadline:
+            status = self.status(run_id)
+            if status.startswith("finished"):
+                return status
+            if self.procs["superlink"].poll() is not None:
+                raise FlowerError(f"the SuperLink died:\n{self.tail('superlink')}")
+            time.sleep(poll)
+        raise FlowerError(f"run {run_id} did not finish in {timeout:g} s (last status {status!r})")
+
+
+def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, tls: bool = False,
+              auth: bool = False, data_root: str | None = None, timeout: float = 3600,
+              log: Callable[[str], None] = print,
+              on_started: Callable[[LocalFederation, int], None] | None = None) -> dict[str, Any]:
+    """Run ``cfg`` on a loopback federation; return the ServerApp's ``summary.json``.
+    ``on_started(federation, run_id)`` runs after submission (fault-injection hook for tests)."""
+    num_nodes = num_nodes or int(cfg["clients"])
+    if num_nodes != cfg["clients"]:
+        raise ValueError(f"--clients {num_nodes} differs from the config's clients: {cfg['clients']}; "
+                         "each SuperNode holds one client's partition")
+    data_root = data_root or cfg["data_root"]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").unlink(missing_ok=True)
+    fed = LocalFederation(num_nodes, tls=tls, auth=auth, data_root=data_root, log=log)
+    try:
+        fed.start()
+        log(f"hetfl flower: SuperLink on 127.0.0.1:{fed.port} ({'TLS' if fed.tls else 'insecure'}"
+            f"{', node authentication' if fed.auth else ''}), {num_nodes} SuperNodes, FLWR_HOME {fed.home}")
+        run_id = fed.submit(cfg, out_dir, data_root)
+        log(f"hetfl flower: run {run_id} submitted")
+        fed.stream(run_id)
+        if on_started is not None:
+            on_started(fed, run_id)
+        status = fed.wait(run_id, timeout)
+        summary_path = out_dir / "summary.json"
+        if status != "finished:completed" or not summary_path.is_file():
+            raise FlowerError(f"run {run_id} ended with status {status!r}; SuperLink log:\n{fed.tail('superlink')}")
+        summary = json.loads(summary_path.read_text())
+        info = fed.run_info(run_id)
+        summary.setdefault("engine", {}).update(run_id=run_id, status=status, tls=fed.tls, auth=fed.auth,
+                                                network_traffic=info.get("network-traffic"),
+                                                compute_time=info.get("compute-time"))
+        summary_path.write_text(json.dumps(summary, indent=1))
+        return summary
+    finally:
+        time.sleep(0.5)  # let the log stream flush the last lines
+        fed.stop()
+        left = fed.alive()
+        if left:
+            log(f"hetfl flower: could not stop {left}")
+        shutil.rmtree(fed.home, ignore_errors=True)

@@ -1,0 +1,264 @@
+"""The Flower adapter: wire format, a fake Grid (no processes), and real SuperLink/SuperNodes on
+127.0.0.1 (insecure, TLS, node authentication, a SuperNode killed mid-run)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from hetfl.config import validate
+from hetfl.engine import flower_app as fa
+from hetfl.engine.flower_local import LocalFederation, run_local
+from hetfl.engine.simulator import Simulator, prepare
+from hetfl.fl.payload import Payload, PayloadError
+
+BASE = {
+    "name": "flower-test", "seed": 0, "dataset": "synthetic",
+    "data": {"classes": 4, "channels": 1, "size": 28, "train_per_class": 24, "test_per_class": 20},
+    "partition": {"kind": "iid"}, "clients": 3,
+    "client": {"model": "cnn2", "epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+    "methods": {"fedavg": {}}, "flower": {"timeout": 60, "node_wait": 60},
+}
+
+
+def config(**changes: object) -> dict:
+    cfg = copy.deepcopy(BASE)
+    cfg.update(changes)
+    return validate(cfg)
+
+
+def simulate(cfg: dict, out: Path) -> dict:
+    return Simulator(prepare(cfg), out, cache_dir=None, quiet=True, resume=False).run()
+
+
+def assert_same_results(flower: dict, sim: dict) -> None:
+    assert set(flower["results"]) == set(sim["results"])
+    for name, ours in flower["results"].items():
+        ref = sim["results"][name]
+        assert ours["accuracy"] == pytest.approx(ref["accuracy"], abs=1e-6), name
+        assert ours["bytes_up"] == ref["bytes_up"] and ours["bytes_down"] == ref["bytes_down"], name
+
+
+# ---- wire format --------------------------------------------------------------------------------
+def test_payload_record_roundtrip_keeps_names_dtypes_and_meta() -> None:
+    p = Payload({"w": torch.randn(3, 4), "n": torch.arange(5), "x8": torch.randint(0, 255, (2, 2), dtype=torch.uint8)},
+                {"task": "train_classifier", "list": [1, 2], "nested": {"a": 0.5}})
+    q = fa.from_record(fa.to_record(p))
+    assert q.meta == p.meta
+    kinds = {k: (v.dtype, v.shape) for k, v in p.tensors.items()}
+    assert {k: (v.dtype, v.shape) for k, v in q.tensors.items()} == kinds
+    assert all(torch.equal(p.tensors[k], q.tensors[k]) for k in p.tensors)
+    assert fa.from_record(fa.to_record(Payload({}, {"z": 1}))).meta == {"z": 1}
+
+
+def test_garbage_record_is_a_payload_error() -> None:
+    with pytest.raises(PayloadError, match="not a hetfl record"):
+        fa.from_record(RecordDict())
+
+
+# ---- a fake Grid: the real ClientApp and ServerApp functions, no processes --------------------
+class FakeGrid(Grid):
+    """Delivers each message by calling the ClientApp in-process; ``tamper(node, message, reply)``
+    may rewrite or drop (return None) a training reply."""
+
+    def __init__(self, cfg: dict, tamper: Callable[[int, Message], Message | None] | None = None) -> None:
+        self.run_config = {"hetfl-config": json.dumps(cfg)}
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, state=RecordDict(), run_config=self.run_config,
+                                          node_config={"partition-id": i, "num-partitions": cfg["clients"]})
+                         for i in range(cfg["clients"])}
+        self.tamper = tamper
+
+    def set_run(self, run_id: int) -> None: ...
+
+    @property
+    def run(self):  # noqa: ANN201
+        return None
+
+    def create_message(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
+        raise NotImplementedError
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def get_nodes(self):  # noqa: ANN201
+        return []
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        replies = []
+        for msg in messages:
+            nid = msg.metadata.dst_node_id
+            TaskIdentity.node_id = nid
+            try:
+                reply = fa.client_app(msg, self.contexts[nid])
+            except Exception as err:  # as Flower does: a raising ClientApp becomes an error reply
+                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
+            finally:
+                TaskIdentity.node_id = 0
+            if self.tamper is not None and msg.metadata.message_type == fa.TRAIN:
+                reply = self.tamper(nid, msg, reply)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+
+@pytest.fixture()
+def task_identity():
+    old = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = old
+
+
+def serve(cfg: dict, out: Path, tamper: Callable | None = None) -> dict:
+    grid = FakeGrid(cfg, tamper)
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                  run_config={"hetfl-config": json.dumps(cfg), "out-dir": str(out), "data-root": "data"})
+    fa.server_main(grid, ctx)
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_fake_grid_equals_simulator_one_shot_and_rounds(tmp_path: Path, task_identity: None) -> None:
+    cfg = config(methods={"ensemble": {}}, clients=3)
+    assert_same_results(serve(cfg, tmp_path / "fl"), simulate(cfg, tmp_path / "sim"))
+    rounds = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
+    flower = serve(rounds, tmp_path / "fl2")
+    assert flower["engine"]["name"] == "flower"
+    assert_same_results(flower, simulate(rounds, tmp_path / "sim2"))
+
+
+def _corrupt(kind: str) -> Callable[[Payload], Payload]:
+    def nan(p: Payload) -> Payload:
+        name = next(k for k, v in p.tensors.items() if v.is_floating_point())
+        p.tensors[name] = torch.full_like(p.tensors[name], float("nan"))
+        return p
+
+    def shape(p: Payload) -> Payload:
+        name = next(iter(p.tensors))
+        p.tensors[name] = torch.zeros(7)
+        return p
+
+    def arch(p: Payload) -> Payload:
+        p.meta["arch"] = "lenet5"
+        return p
+
+    return {"nan": nan, "shape": shape, "arch": arch}[kind]
+
+
+@pytest.mark.parametrize(("kind", "reason"), [("nan", "NaN or inf"), ("shape", "has shape"),
+                                              ("arch", "architecture 'lenet5'"), ("garbage", "not a hetfl record")])
+def test_malformed_upload_is_rejected_with_reason_and_run_completes(tmp_path: Path, task_identity: None,
+                                                                    kind: str, reason: str) -> None:
+    def tamper(nid: int, msg: Message, reply: Message) -> Message:
+        if nid != 101:
+            return reply
+        if kind == "garbage":
+            return Message(RecordDict(), reply_to=msg)
+        return Message(fa.to_record(_corrupt(kind)(fa.from_record(reply.content))), reply_to=msg)
+
+    summary = serve(config(methods={"fedavg": {}}), tmp_path / "fl", tamper)
+    result = summary["results"]["fedavg"]
+    assert result["missing_clients"] == [1]
+    [failure] = result["client_failures"]
+    assert failure["client"] == 1 and reason in failure["reason"]
+    assert 0 <= result["accuracy"] <= 100
+
+
+def test_error_reply_and_silence_are_missing_clients_and_rounds_skip_them(tmp_path: Path, task_identity: None) -> None:
+    def tamper(nid: int, msg: Message, reply: Message) -> Message | None:
+        round_ = int(msg.metadata.group_id)
+        if nid == 102 and round_ == 1:
+            return Message(Error(code=1, reason="out of memory"), reply_to=msg)
+        if nid == 100 and round_ == 2:
+            return None  # never answers
+        return reply
+
+    summary = serve(config(methods={"fedavg": {"rounds": 2}}), tmp_path / "fl", tamper)
+    failures = summary["results"]["fedavg"]["client_failures"]
+    assert [(f["round"], f["client"]) for f in failures] == [(1, 2), (2, 0)]
+    assert "out of memory" in failures[0]["reason"] and "no reply" in failures[1]["reason"]
+
+
+def test_too_few_uploads_fail_with_min_clients(tmp_path: Path, task_identity: None) -> None:
+    with pytest.raises(RuntimeError, match="min_clients = 3"):
+        serve(config(min_clients=3), tmp_path / "fl", lambda nid, msg, reply: None if nid == 100 else reply)
+
+
+def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identity: None) -> None:
+    grid = FakeGrid(config())
+    grid.contexts[102].node_config["num-partitions"] = 5
+    transport = fa.FlowerTransport(grid, 3, timeout=5, node_wait=1)
+    assert transport.connect() == {0: 100, 1: 101}
+
+
+# ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
+def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path) -> None:
+    cfg = config(methods={"dense": {"epochs": 2, "generator_steps": 2, "batch_size": 16},
+                          "fedavg": {"rounds": 2, "sample_ratio": 0.67}})
+    feds: list[LocalFederation] = []
+    summary = run_local(cfg, tmp_path / "fl", log=lambda line: None, on_started=lambda fed, rid: feds.append(fed))
+    assert summary["engine"]["status"] == "finished:completed" and summary["engine"]["missing_nodes"] == []
+    assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
+    assert feds[0].alive() == []
+
+
+def test_deployment_engine_over_tls(tmp_path: Path) -> None:
+    cfg = config()
+    summary = run_local(cfg, tmp_path / "fl", tls=True, log=lambda line: None)
+    assert summary["engine"]["tls"] is True
+    assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
+
+
+def test_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
+    cfg = config()
+    fed = LocalFederation(3, auth=True)
+    try:
+        fed.start()
+        intruder = fed.start_supernode(0, name="intruder", register=False,
+                                       extra=["--max-retries", "1", "--max-wait-time", "10"])
+        run_id = fed.submit(cfg, tmp_path / "fl", "data")
+        assert fed.wait(run_id, timeout=300) == "finished:completed"
+        assert intruder.wait(timeout=60) != 0
+        assert "Failed to activate SuperNode" in fed.tail("intruder", 50)
+        nodes = json.loads(fed.flwr("supernode", "list", "hetfl", "--format", "json").stdout)["nodes"]
+        assert len(nodes) == 3
+    finally:
+        fed.stop()
+    assert fed.alive() == []
+    summary = json.loads((tmp_path / "fl" / "summary.json").read_text())
+    assert sorted(summary["engine"]["nodes"]) == ["0", "1", "2"]
+    assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
+
+
+def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path: Path) -> None:
+    cfg = config(methods={"ensemble": {}}, flower={"timeout": 25, "node_wait": 60})
+    connected = threading.Event()
+
+    def log(line: str) -> None:
+        if "round 0: sent" in line:
+            connected.set()
+
+    def kill_one(fed: LocalFederation, run_id: int) -> None:
+        assert connected.wait(timeout=120)
+        time.sleep(0.5)
+        fed.kill("supernode-2")
+
+    summary = run_local(cfg, tmp_path / "fl", log=log, on_started=kill_one)
+    result = summary["results"]["ensemble"]
+    assert result["missing_clients"] == [2]
+    assert "no reply" in result["client_failures"][0]["reason"]
