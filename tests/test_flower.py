@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -12,13 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from hetfl.cli import main
 from hetfl.config import validate
 from hetfl.engine import flower_app as fa
-from hetfl.engine.flower_local import LocalFederation, run_local
+from hetfl.engine.flower_local import LocalFederation, live_processes_with_home, run_local
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.payload import Payload, PayloadError
 
@@ -133,8 +138,17 @@ def serve(cfg: dict, out: Path, tamper: Callable | None = None) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def test_node_state_survives_in_context_state() -> None:
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    assert fa.state_from_records(ctx) == {}
+    fa.state_to_records({"prev": torch.arange(6.0).view(2, 3), "round": 3, "tag": "x"}, ctx)
+    state = fa.state_from_records(ctx)
+    assert torch.equal(state.pop("prev"), torch.arange(6.0).view(2, 3)) and state == {"round": 3, "tag": "x"}
+
+
 def test_fake_grid_equals_simulator_one_shot_and_rounds(tmp_path: Path, task_identity: None) -> None:
-    cfg = config(methods={"ensemble": {}}, clients=3)
+    cfg = config(methods={"ensemble": {}}, client={**BASE["client"], "model": ["cnn2", "lenet5"]},
+                 server={"model": "cnn2"})
     assert_same_results(serve(cfg, tmp_path / "fl"), simulate(cfg, tmp_path / "sim"))
     rounds = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
     flower = serve(rounds, tmp_path / "fl2")
@@ -207,21 +221,18 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 
 
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
-def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["insecure", "tls"])
+def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path, tls: bool) -> None:
+    """One-shot DENSE (client round + server stage) and 2 rounds of FedAvg with sampling."""
     cfg = config(methods={"dense": {"epochs": 2, "generator_steps": 2, "batch_size": 16},
                           "fedavg": {"rounds": 2, "sample_ratio": 0.67}})
     feds: list[LocalFederation] = []
-    summary = run_local(cfg, tmp_path / "fl", log=lambda line: None, on_started=lambda fed, rid: feds.append(fed))
-    assert summary["engine"]["status"] == "finished:completed" and summary["engine"]["missing_nodes"] == []
+    summary = run_local(cfg, tmp_path / "fl", tls=tls, log=lambda line: None,
+                        on_started=lambda fed, rid: feds.append(fed))
+    engine = summary["engine"]
+    assert engine["status"] == "finished:completed" and engine["missing_nodes"] == [] and engine["tls"] is tls
     assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
-    assert feds[0].alive() == []
-
-
-def test_deployment_engine_over_tls(tmp_path: Path) -> None:
-    cfg = config()
-    summary = run_local(cfg, tmp_path / "fl", tls=True, log=lambda line: None)
-    assert summary["engine"]["tls"] is True
-    assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
+    assert feds[0].alive() == [] and not feds[0].home.exists()
 
 
 def test_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
@@ -246,7 +257,7 @@ def test_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> Non
 
 
 def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path: Path) -> None:
-    cfg = config(methods={"ensemble": {}}, flower={"timeout": 25, "node_wait": 60})
+    cfg = config(methods={"ensemble": {}}, flower={"timeout": 15, "node_wait": 60})
     connected = threading.Event()
 
     def log(line: str) -> None:
@@ -262,3 +273,54 @@ def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path
     result = summary["results"]["ensemble"]
     assert result["missing_clients"] == [2]
     assert "no reply" in result["client_failures"][0]["reason"]
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def test_core_package_does_not_import_flwr() -> None:
+    code = ("import sys, hetfl, hetfl.cli, hetfl.methods, hetfl.engine.simulator, hetfl.reproduce.fedhydra; "
+            "sys.exit(int(any(m == 'flwr' or m.startswith('flwr.') for m in sys.modules)))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_certs_and_node_keys_are_valid(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    assert main(["flower", "certs", "--host", "10.0.0.5", "--host", "fl.example.org", "--out", str(tmp_path)]) == 0
+    cert = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert san.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    assert main(["flower", "key", str(tmp_path / "keys" / "node-0")]) == 0
+    private = load_ssh_private_key((tmp_path / "keys" / "node-0").read_bytes(), None)
+    public = load_ssh_public_key((tmp_path / "keys" / "node-0.pub").read_bytes())
+    assert private.curve.name == "secp384r1" and public.public_numbers() == private.public_key().public_numbers()
+
+
+def test_flower_local_rejects_a_node_count_that_differs_from_the_config(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(BASE))
+    assert main(["flower", "local", str(cfg), "--clients", "5", "--out", str(tmp_path / "o")]) == 2
+    assert "differs from the config's clients: 3" in capsys.readouterr().err
+
+
+def test_flower_local_cli_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BASE, "client": {**BASE["client"], "epochs": 50}}))
+    proc = subprocess.Popen([sys.executable, "-m", "hetfl.cli", "flower", "local", str(cfg), "--out",
+                             str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    home = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "FLWR_HOME" in line:
+            home = Path(line.rsplit("FLWR_HOME", 1)[1].strip())
+        if "submitted" in line:
+            break
+    assert home is not None
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    assert live_processes_with_home(home) == []
+    assert not home.exists()

@@ -52,6 +52,70 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flower_local(args: argparse.Namespace) -> int:
+    """A SuperLink and N SuperNodes on 127.0.0.1, one run, the same summary.json as ``hetfl run``."""
+    try:
+        from hetfl.engine.flower_local import FlowerError, run_local
+    except ImportError as err:  # pragma: no cover - depends on the installed extra
+        raise ConfigError(f"the Flower engine needs the extra: pip install 'hetfl[flower]' ({err})") from err
+    from hetfl.report import results_table, write_plots
+
+    cfg = load_config(args.config, args.overrides)
+    if args.device:
+        cfg["device"] = args.device
+    out = Path(args.out or Path("runs") / f"{cfg['name']}-flower")
+    quiet_prefixes = ("HTTP Request:",)
+
+    def show(line: str) -> None:
+        if args.verbose or not line.startswith(quiet_prefixes):
+            print(line, flush=True)
+
+    try:
+        summary = run_local(cfg, out, num_nodes=args.clients, tls=args.tls or args.auth, auth=args.auth,
+                            data_root=args.data_root, timeout=args.timeout, log=show)
+    except FlowerError as err:
+        print(f"hetfl: flower: {err}", file=sys.stderr)
+        return 1
+    plots = write_plots(out, summary)
+    print(results_table(summary["results"]))
+    for name, result in summary["results"].items():
+        if result.get("missing_clients"):
+            print(f"{name}: clients {result['missing_clients']} did not upload (see client_failures)")
+    print(f"wrote {out / 'summary.json'} and {', '.join(p.name for p in plots)}")
+    return 0
+
+
+def cmd_flower_app(args: argparse.Namespace) -> int:
+    from hetfl.engine.flower_local import write_app
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out or Path("runs") / f"{cfg['name']}-flower")
+    folder = write_app(Path(args.app), cfg, out, args.data_root or cfg["data_root"])
+    print(f"wrote {folder}/pyproject.toml and {folder}/run-config.toml; submit with:\n"
+          f"  flwr run {folder} CONNECTION --run-config {folder}/run-config.toml --stream")
+    return 0
+
+
+def cmd_flower_certs(args: argparse.Namespace) -> int:
+    from hetfl.engine.flower_local import make_certificates
+
+    paths = make_certificates(Path(args.out), tuple(args.host), days=args.days)
+    print("wrote " + ", ".join(str(p) for p in paths.values()) + " (give ca.crt to every SuperNode and flwr user;"
+          " keep server.key on the SuperLink machine)")
+    return 0
+
+
+def cmd_flower_key(args: argparse.Namespace) -> int:
+    from hetfl.engine.flower_local import make_node_key
+
+    path = Path(args.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pub = make_node_key(path)
+    print(f"wrote {path} (private: stays on this SuperNode) and {pub} (register it on the SuperLink with "
+          f"flwr supernode register {pub.name} CONNECTION)")
+    return 0
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
     from hetfl.data import load_dataset, make_partition
     from hetfl.report import plot_partition
@@ -85,11 +149,17 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.engine.simulator import Simulator, prepare
     from hetfl.reproduce import fedhydra as paper
 
+    if args.paper == "fedmho":
+        from hetfl.reproduce import fedmho
+
+        return fedmho.main(args)
+
     def csv(text: str) -> list[str]:
         return [t.strip() for t in text.split(",") if t.strip()]
 
-    root = Path(args.out)
-    results = Path(args.results)
+    args.settings = args.settings or "0.5,0.3,0.1,0.01,2c/c"
+    root = Path(args.out or "runs/reproduce-fedhydra")
+    results = Path(args.results or "docs/results/fedhydra.md")
     notes = results.with_name(results.stem + "-notes.md")
     if args.report_only:
         paper.write_results(root, results, notes)
@@ -148,6 +218,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=cmd_run)
 
+    flower = sub.add_parser("flower", help="run on Flower's deployment engine (needs hetfl[flower])")
+    flower_sub = flower.add_subparsers(dest="flower_command", required=True)
+    local = flower_sub.add_parser("local", help="a SuperLink and N SuperNodes on 127.0.0.1, one run, clean stop")
+    _add_config_args(local)
+    local.add_argument("--clients", type=int, default=None, help="number of SuperNodes (default: the config's)")
+    local.add_argument("--tls", action="store_true", help="throw-away CA and certificates; everything over TLS")
+    local.add_argument("--auth", action="store_true", help="TLS plus SuperNode authentication (registered keys)")
+    local.add_argument("--timeout", type=float, default=24 * 3600, help="give up on the run after this many s")
+    local.add_argument("--device", default=None, help="cpu, cuda, ... (default: the config's)")
+    local.add_argument("--verbose", action="store_true", help="also show Flower's HTTP request lines")
+    local.set_defaults(func=cmd_flower_local)
+    app = flower_sub.add_parser("app", help="write the Flower app folder and run config for `flwr run`")
+    _add_config_args(app)
+    app.add_argument("--app", default="flower-app", help="folder to write (default: flower-app)")
+    app.set_defaults(func=cmd_flower_app)
+    certs = flower_sub.add_parser("certs", help="a CA and a SuperLink certificate for the given hosts")
+    certs.add_argument("--host", action="append", required=True, help="IP or DNS name of the SuperLink (repeatable)")
+    certs.add_argument("--out", default="certificates", help="folder (default: certificates)")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
+    certs.set_defaults(func=cmd_flower_certs)
+    key = flower_sub.add_parser("key", help="an EC P-384 key pair for SuperNode authentication")
+    key.add_argument("path", help="private key file to write; the public key goes to PATH.pub")
+    key.set_defaults(func=cmd_flower_key)
+
     part = sub.add_parser("partition", help="print partition stats and write the bubble plot")
     _add_config_args(part)
     part.set_defaults(func=cmd_partition)
@@ -160,18 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_p.set_defaults(func=cmd_fetch)
 
     rep = sub.add_parser("reproduce", help="run a paper's main tables and write docs/results/<paper>.md")
-    rep.add_argument("paper", choices=["fedhydra"])
+    rep.add_argument("paper", choices=["fedhydra", "fedmho"])
     rep.add_argument("--budget", default="reduced", help="reduced (a few hours on 2 cores) or paper")
     rep.add_argument("--datasets", default="mnist,fmnist")
-    rep.add_argument("--settings", default="0.5,0.3,0.1,0.01,2c/c", help="Dirichlet alphas and/or 2c/c")
+    rep.add_argument("--settings", default=None,
+                     help="Dirichlet alphas and/or 2c/c (default fedhydra: 0.5,0.3,0.1,0.01,2c/c; fedmho: 0.5,0.3,0.1)")
     rep.add_argument("--seeds", default="0,1,2")
     rep.add_argument("--methods", default=None, help="subset of fedavg,ot,feddf,dense,coboosting,fedhydra")
     rep.add_argument("--clients", default="5", help="client counts, e.g. 5,10,20,50,100 (Table 4/7 sweep)")
-    rep.add_argument("--ablation", action="store_true", help="also Table 6 (lambda_1, lambda_2 at alpha 0.5)")
+    rep.add_argument("--ablation", action="store_true",
+                     help="also Table 6 (fedhydra: lambda_1, lambda_2 at alpha 0.5; fedmho: no filter) and "
+                          "fedmho's Table 8 (R_th sweep)")
+    rep.add_argument("--curve", action="store_true", help="fedmho: also Fig. 6 (accuracy per server epoch)")
     rep.add_argument("--data-root", default=None)
     rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
-    rep.add_argument("--out", default="runs/reproduce-fedhydra")
-    rep.add_argument("--results", default="docs/results/fedhydra.md")
+    rep.add_argument("--out", default=None, help="runs folder (default runs/reproduce-<paper>)")
+    rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     rep.add_argument("--report-only", action="store_true", help="rewrite the results file from finished runs")
     rep.add_argument("--quiet", action="store_true")
     rep.set_defaults(func=cmd_reproduce)

@@ -90,6 +90,19 @@ def processes_with_home(home: Path) -> list[int]:
     return [p for p in pids if p != os.getpid()]
 
 
+def live_processes_with_home(home: Path) -> list[int]:
+    """:func:`processes_with_home` without zombies (exited, not yet reaped by their parent)."""
+    alive = []
+    for pid in processes_with_home(home):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -274,27 +287,24 @@ class LocalFederation:
         path = self.logs / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
-    def kill(self, name: str) -> None:
-        """Stop one process and its children (SIGTERM, then SIGKILL)."""
-        proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):  # children that outlived their parent
-            os.killpg(proc.pid, signal.SIGKILL)
+    def kill(self, *names: str, grace: float = 5.0) -> None:
+        """Stop processes and their children: SIGTERM to every group at once, SIGKILL to the
+        groups still running after ``grace`` seconds."""
+        procs = [self.procs[n] for n in names if n in self.procs and self.procs[n].poll() is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + grace
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for proc in procs:  # children that outlived their parent
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        for name in [n for n in self.procs if n != "superlink"] + ["superlink"]:
-            self.kill(name)
+        self.kill(*[n for n in self.procs if n != "superlink"])
+        self.kill("superlink")
         for sig in (signal.SIGTERM, signal.SIGKILL):  # detached helpers (SuperExec, app processes)
             pids = processes_with_home(self.home)
             for pid in pids:
@@ -310,15 +320,7 @@ class LocalFederation:
 
     def alive(self) -> list[int]:
         """PIDs of any process of this federation still running (zombies excluded)."""
-        alive = []
-        for pid in processes_with_home(self.home):
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state != "Z":
-                alive.append(pid)
-        return alive
+        return live_processes_with_home(self.home)
 
     # runs
     def submit(self, cfg: dict[str, Any], out_dir: Path, data_root: str) -> int:
@@ -356,17 +358,25 @@ class LocalFederation:
         threading.Thread(target=pump, daemon=True).start()
         return proc
 
-    def wait(self, run_id: int, timeout: float, poll: float = 2.0) -> str:
-        """Poll until the run has finished; return its final status."""
+    def wait(self, run_id: int, timeout: float, poll: float = 10.0) -> str:
+        """Wait until the run has finished; return its final status. The status is asked when
+        the log stream ends (it does when the run does) and every ``poll`` seconds besides
+        (each ``flwr list`` is a CLI start-up, so it is not asked in a tight loop)."""
         deadline = time.monotonic() + timeout
-        status = "unknown"
+        status, next_poll = "unknown", time.monotonic() + poll
+        stream = self.procs.get("log")
         while time.monotonic() < deadline:
-            status = self.status(run_id)
-            if status.startswith("finished"):
-                return status
+            stream_ended = stream is not None and stream.poll() is not None
+            if stream_ended or time.monotonic() >= next_poll:
+                status = self.status(run_id)
+                if status.startswith("finished"):
+                    return status
+                next_poll = time.monotonic() + poll
+                if stream_ended:  # ended early (a dropped connection): poll from now on
+                    stream = None
             if self.procs["superlink"].poll() is not None:
                 raise FlowerError(f"the SuperLink died:\n{self.tail('superlink')}")
-            time.sleep(poll)
+            time.sleep(0.1)
         raise FlowerError(f"run {run_id} did not finish in {timeout:g} s (last status {status!r})")
 
 
@@ -406,7 +416,6 @@ def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, 
         summary_path.write_text(json.dumps(summary, indent=1))
         return summary
     finally:
-        time.sleep(0.5)  # let the log stream flush the last lines
         fed.stop()
         left = fed.alive()
         if left:

@@ -131,7 +131,7 @@ class Simulator:
             f.write(json.dumps(json_safe({"method": method, "step": step, **metrics})) + "\n")
 
     def _trim_metrics(self, method: str, keep_until: int) -> None:
-        """Drop rows after step ``keep_until`` (all rows when it is 0): a re-run or a resumed
+        """Drop rows after step ``keep_until`` (all rows when it is -1): a re-run or a resumed
         run never duplicates rows."""
         path = self._metrics_file(method)
         if path.is_file():
@@ -263,7 +263,7 @@ class Simulator:
                 history[:] = info["history"]
                 ledger.records[:] = [tuple(r) for r in info["ledger"]]
                 ctx.record["resumed_from_round"] = info["round"]
-        self._trim_metrics(name, start_round - 1)
+        self._trim_metrics(name, start_round - 1 if start_round > 1 else -1)
         states: dict[int, dict] = {}
         every = self.exp.cfg["eval_every"]
         bar = self.progress(range(start_round, method.rounds + 1), desc=f"{method.name}: rounds",
@@ -300,7 +300,7 @@ class Simulator:
             models = self._rounds(name, method, ctx, ledger, history, config_hash(self.exp.cfg, name))
         else:
             if not (ctx.out_dir / "checkpoint.json").is_file():  # a checkpointing stage trims on resume itself
-                self._trim_metrics(name, 0)
+                self._trim_metrics(name, -1)
             models = self._one_shot(method, ctx, ledger)
         seconds = time.perf_counter() - start
         reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}

@@ -292,7 +292,7 @@ class DataFreeDistiller:
     def run(self, config_key: str = "", resume: bool = True) -> nn.Module:
         cfg, ctx = self.cfg, self.ctx
         start = self.load_checkpoint(config_key) if resume else 1
-        ctx.trim_log(start - 1)
+        ctx.trim_log(start - 1 if start > 1 else -1)  # -1: a fresh start drops every old row
         if start > 1:
             ctx.record["resumed_from_epoch"] = start - 1
         bar = ctx.progress(range(start, cfg.epochs + 1), desc=f"{self.name}: distillation", unit="epoch",

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import ot as pot
 import torch
 from torch import nn
 
@@ -85,6 +84,8 @@ def fuse(states: list[dict[str, torch.Tensor]], layers: list[tuple[str, nn.Modul
                 rows_a = torch.cat([rows_a, states[anchor][f"{name}.bias"].double()[:, None]], dim=1)
             n = rows_k.shape[0]
             cost = torch.cdist(rows_k, rows_a).pow(2).numpy()
+            import ot as pot  # POT imports scikit-learn (~3 s): only when OT fusion runs
+
             plan = pot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost)
             T = torch.from_numpy(plan) * n  # columns sum to 1: anchor neuron j <- sum_i T[i, j] neuron i
             mapped = torch.einsum("ij,i...->j...", T, W)

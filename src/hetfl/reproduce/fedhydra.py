@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from hetfl.reproduce.common import cell_summaries, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
+from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
 EXTRA = ("fedhydra_log1p",)  # our variant, reported beside the paper's methods (no paper number)
@@ -79,31 +80,8 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
     }
 
 
-def run_cell(cfg: dict[str, Any], root: Path, cache: Path, data_root: str | None,
-             runner: Callable[..., dict[str, Any]]) -> dict[str, Any]:
-    out = root / cfg["name"]
-    done = out / "summary.json"
-    if done.is_file():
-        summary = json.loads(done.read_text())
-        if set(summary.get("results", {})) >= set(cfg["methods"]):
-            return summary
-    start = time.perf_counter()
-    summary = runner(cfg, out, cache, data_root)
-    summary["minutes"] = (time.perf_counter() - start) / 60
-    done.write_text(json.dumps(summary, indent=1))
-    return summary
-
-
 def _cell_summaries(root: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(root.glob("fedhydra-*/summary.json"))]
-
-
-def _stats(values: list[float]) -> str:
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.2f} ± {sd:.2f}" if len(values) > 1 else f"{mean:.2f}"
+    return cell_summaries(root, "fedhydra")
 
 
 def _setting_of(cfg: dict[str, Any]) -> str:

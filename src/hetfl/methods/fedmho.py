@@ -1,0 +1,300 @@
+"""FedMHO, FedMHO-MD and FedMHO-SD: model-heterogeneous one-shot FL with classification and
+generative clients.
+
+Paper: "FedMHO: Heterogeneous One-Shot Federated Learning Towards Resource-Constrained Edge
+Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
+
+* **Clients** (Alg. 1 lines 3-7). Classification clients train their classifier with CE (Eq. 2)
+  and upload it: they get the ordinary ``train_classifier`` request, byte-identical to the other
+  methods' requests, so their uploads come from the shared upload cache. Generative clients train
+  a CVAE with ``recon + KL`` (Eq. 3, Adam) and upload only the decoder (``train_cvae`` task); the
+  label histogram travels in the upload's metadata, as in the paper ("send the CVAE decoders and
+  the local label distributions").
+* **Initialisation** (Eq. 4): ``w_0 = 1/|K_C| sum_k w_k``, the *plain* mean of the classification
+  clients (Eq. 4 as written; ``init_weights: samples`` weighs by sample count instead, as FedAvg
+  does). When the classification clients do not all use the server architecture, ``w_0`` is
+  obtained by ensemble distillation instead (Sec. 5.6): a fresh server model is trained with
+  ``KL(mean client logits || student)`` on the filtered synthetic set for ``init_epochs`` epochs
+  (Adam, ``init_lr``). The paper does not say on which data; the synthetic set is the only data
+  the server has.
+* **Data generation** (Sec. 4.2.2, Alg. 1 lines 10-14): ``num_samples`` (N, default 6,000) images.
+  The split follows the official code (the paper only says "according to client k's label
+  distribution"): N/C per class, and class c's budget is split among the decoders with weights
+  ``count_kc^2 / sum_k count_kc^2`` (uniform if no generative client holds c); each split uses
+  the largest-remainder rule so the totals are exact. ``z ~ N(0, I)`` (untruncated, as the code).
+* **Unsupervised data optimisation** (Alg. 2): per class, 1-cluster K-means on the flattened
+  pixels (the paper's Sec. 4.4 and the code's default; the centre is the class mean) keeps the
+  ``round(R_th * n_c)`` samples closest to the centre (halves rounded up); ``r_th`` 0.8.
+  ``filter: false`` skips it (Table 6; the paper then uses as many samples as the filter keeps,
+  i.e. set ``num_samples`` to 0.8 N).
+* **Knowledge fusion**: FedMHO trains ``w`` on the synthetic set with CE (Eq. 5). FedMHO-MD adds
+  ``KL(mean_k h_k(x) || h(x))`` over the classification clients (Eq. 6); FedMHO-SD uses the frozen
+  ``w_0`` as the teacher (Eq. 7); both minimise ``lam * CE + (1 - lam) * KL`` (Eq. 8, lam = 0.5).
+  KL is the per-sample KL at temperature 1 (the equations have none), averaged over the batch;
+  the official code uses torch's ``KLDivLoss()`` default, which also divides by the number of
+  classes, and weight 1 for both terms (``kl_reduction: mean`` reproduces that reduction). The
+  teachers are fixed and there is no augmentation, so their logits are computed once.
+* Defaults per dataset (Table 3): server epochs 10 / 20 / 20 / 30 and Adam lr 1e-5 / 5e-4 / 5e-5
+  / 5e-5 for MNIST / Fashion / SVHN / EMNIST (others: 20 and 1e-4, the code's CIFAR-10 values);
+  CVAE Adam lr 5e-2 / 5e-2 / 1e-3 / 3e-3 and 30 / 40 / 40 / 50 local epochs (others 1e-3, 30);
+  batch 64 for both. ``null`` in a config means "the paper's value for this dataset".
+* Test accuracy is logged after every server epoch (epoch 0 = ``w_0``), which draws the
+  knowledge-forgetting curve of Fig. 6; the headline model is the last epoch's, and ``<name>[init]``
+  is ``w_0``. Generated images stay float tensors in memory (no uint8 round trip).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from hetfl.fl.aggregate import weighted_average
+from hetfl.fl.generative import (
+    CVAETrain,
+    FusionConfig,
+    allocate_per_class,
+    cvae_message,
+    decoder_from_upload,
+    generate,
+    kmeans_filter,
+    teacher_logits,
+    train_on_synthetic,
+)
+from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
+from hetfl.fl.payload import Payload
+from hetfl.methods.common import classifier_from_upload
+from hetfl.models.cvae import CVAE_NAMES
+
+# Table 3 (and the code for datasets the paper does not use): (server epochs, server lr).
+SERVER_DEFAULTS = {"mnist": (10, 1e-5), "fmnist": (20, 5e-4), "svhn": (20, 5e-5), "emnist": (30, 5e-5)}
+OTHER_SERVER = (20, 1e-4)
+# (CVAE local epochs, CVAE Adam lr).
+CVAE_DEFAULTS = {"mnist": (30, 5e-2), "fmnist": (40, 5e-2), "svhn": (40, 1e-3), "emnist": (50, 3e-3)}
+OTHER_CVAE = (30, 1e-3)
+
+GENERATIVE_DEFAULTS: dict[str, Any] = {
+    "cvae": "cvae_small", "latent_dim": 20, "cvae_epochs": None, "cvae_lr": None, "cvae_batch_size": 64,
+    "num_samples": 6000, "epochs": None, "lr": None, "batch_size": 64, "eval_every": 1,
+}
+
+
+def resolve_names(spec: Any, ids: list[int], key: str) -> dict[int, str]:
+    """A CVAE name per client: one name, or a list assigned round-robin over ``ids``."""
+    names = [spec] if isinstance(spec, str) else list(spec or [])
+    if not names:
+        raise ValueError(f"{key} must be a CVAE name or a non-empty list of names")
+    bad = sorted({n for n in names if n not in CVAE_NAMES}, key=str)
+    if bad:
+        raise ValueError(f"{key}: unknown cvae {bad}; choose from {list(CVAE_NAMES)}")
+    return {cid: names[i % len(names)] for i, cid in enumerate(ids)}
+
+
+class GenerativeMethod(OneShotMethod):
+    """Common part of FedMHO and FedCVAE: validated CVAE/server settings, per-dataset defaults,
+    CVAE requests and decoder uploads."""
+
+    def cvae_train(self, ctx: ServerContext) -> CVAETrain:
+        epochs, lr = CVAE_DEFAULTS.get(ctx.dataset, OTHER_CVAE)
+        p = self.params
+        return CVAETrain(epochs=p["cvae_epochs"] if p["cvae_epochs"] is not None else epochs,
+                         batch_size=p["cvae_batch_size"], lr=p["cvae_lr"] if p["cvae_lr"] is not None else lr)
+
+    def fusion(self, ctx: ServerContext, lam: float = 1.0) -> FusionConfig:
+        epochs, lr = SERVER_DEFAULTS.get(ctx.dataset, OTHER_SERVER)
+        p = self.params
+        return FusionConfig(epochs=p["epochs"] if p["epochs"] is not None else epochs, batch_size=p["batch_size"],
+                            lr=p["lr"] if p["lr"] is not None else lr, lam=lam,
+                            kl_reduction=p.get("kl_reduction", "batchmean"), eval_every=p["eval_every"])
+
+    def generative_ids(self, ctx: ServerContext) -> list[int]:
+        raise NotImplementedError
+
+    def cvae_names(self, ctx: ServerContext) -> dict[int, str]:
+        return resolve_names(self.params["cvae"], self.generative_ids(ctx), f"{self.name}.cvae")
+
+    def check_generative(self, ctx: ServerContext) -> None:
+        p = self.params
+        if not isinstance(p["latent_dim"], int) or p["latent_dim"] < 1:
+            raise ValueError(f"latent_dim must be a positive integer, got {p['latent_dim']!r}")
+        if not isinstance(p["num_samples"], int) or p["num_samples"] < 1:
+            raise ValueError(f"num_samples must be a positive integer, got {p['num_samples']!r}")
+        self.cvae_train(ctx)
+        self.fusion(ctx)
+        from hetfl.models.cvae import build_cvae
+
+        for name in set(self.cvae_names(ctx).values()):  # a CVAE that cannot take this image shape
+            build_cvae(name, ctx.shape[0], ctx.shape[1], ctx.num_classes, p["latent_dim"])
+
+    def cvae_request(self, client_id: int, ctx: ServerContext) -> Payload:
+        arch = self.cvae_names(ctx)[client_id]
+        return cvae_message(arch, ctx.shape, ctx.num_classes, self.params["latent_dim"], self.cvae_train(ctx),
+                            init_seed=derive_seed(ctx.seed, "cvae-init", arch),
+                            seed=derive_seed(ctx.seed, "cvae-train", client_id))
+
+    def validate_upload(self, client_id: int, message: Payload, upload: Payload, ctx: ServerContext) -> None:
+        """Decoder uploads: the engine's checks (task, client id, finite values) plus the requested
+        CVAE, latent size and the decoder's exact tensor names and shapes; classifier uploads as usual."""
+        super().validate_upload(client_id, message, upload, ctx)
+        if message.meta.get("task") == "train_cvae":
+            with torch.random.fork_rng(devices=[]):  # building must not move the caller's RNG
+                decoder_from_upload(upload, client_id, message.meta["cvae"], int(message.meta["latent_dim"]),
+                                    ctx.shape, ctx.num_classes, torch.device("cpu"))
+
+    def decoders(self, uploads: dict[int, Payload], ctx: ServerContext) -> tuple[list[int], list, torch.Tensor]:
+        """(client ids, validated decoders, (K, C) label histograms) of the generative clients."""
+        names = self.cvae_names(ctx)
+        ids = [c for c in sorted(names) if c in uploads]  # an engine may drop clients that failed
+        if not ids:
+            raise ValueError(f"{self.name}: no generative client uploaded (expected {sorted(names)})")
+        ctx.record["generative_clients"] = ids
+        decs = [decoder_from_upload(uploads[c], c, names[c], self.params["latent_dim"], ctx.shape,
+                                    ctx.num_classes, ctx.device) for c in ids]
+        counts = torch.tensor([uploads[c].meta["label_counts"] for c in ids], dtype=torch.float64)
+        return ids, decs, counts
+
+
+def generative_clients(spec: Any, num_clients: int) -> list[int]:
+    """``half`` = the second half of the client ids (clients ceil(K/2) .. K-1, the paper's 5 + 5
+    split); or an explicit list of ids."""
+    if spec == "half":
+        return list(range((num_clients + 1) // 2, num_clients))
+    if not isinstance(spec, (list, tuple)) or not all(isinstance(c, int) and not isinstance(c, bool) for c in spec):
+        raise ValueError(f"generative_clients must be 'half' or a list of client ids, got {spec!r}")
+    bad = sorted(c for c in spec if not 0 <= c < num_clients)
+    if bad or len(set(spec)) != len(spec):
+        raise ValueError(f"generative_clients {list(spec)}: ids must be distinct and in [0, {num_clients})")
+    return sorted(spec)
+
+
+class FedMHO(GenerativeMethod):
+    name = "fedmho"
+    kd: ClassVar[str] = "none"  # none | md | sd
+    defaults: dict[str, Any] = {
+        **GENERATIVE_DEFAULTS, "generative_clients": "half", "r_th": 0.8, "filter": True, "lam": 0.5,
+        "kl_reduction": "batchmean", "init": "auto", "init_weights": "uniform", "init_epochs": None,
+        "init_lr": 1e-3,
+    }
+
+    # ---- configuration ------------------------------------------------------------------------
+    def generative_ids(self, ctx: ServerContext) -> list[int]:
+        return generative_clients(self.params["generative_clients"], ctx.num_clients)
+
+    def classification_ids(self, ctx: ServerContext) -> list[int]:
+        gen = set(self.generative_ids(ctx))
+        return [c for c in range(ctx.num_clients) if c not in gen]
+
+    def init_mode(self, ctx: ServerContext) -> str:
+        archs = {ctx.client_archs[c] for c in self.classification_ids(ctx)}
+        mode = self.params["init"]
+        if mode == "auto":
+            return "average" if archs == {ctx.server_arch} else "distill"
+        if mode == "average" and archs != {ctx.server_arch}:
+            raise ValueError(f"init: average needs every classification client on the server architecture "
+                             f"{ctx.server_arch!r}; they use {sorted(archs)} (use init: distill or auto)")
+        return mode
+
+    def check(self, ctx: ServerContext) -> None:
+        p = self.params
+        gen = self.generative_ids(ctx)
+        if not gen:
+            raise ValueError(f"generative_clients {p['generative_clients']!r} selects no client out of "
+                             f"{ctx.num_clients}; FedMHO needs at least one generative client")
+        if not self.classification_ids(ctx):
+            raise ValueError(f"generative_clients selects all {ctx.num_clients} clients; FedMHO needs at least "
+                             "one classification client")
+        if not isinstance(p["r_th"], (int, float)) or not 0 < p["r_th"] <= 1:
+            raise ValueError(f"r_th (R_th of Alg. 2) must be in (0, 1], got {p['r_th']!r}")
+        if not isinstance(p["filter"], bool):
+            raise ValueError(f"filter must be true or false, got {p['filter']!r}")
+        if p["init"] not in ("auto", "average", "distill"):
+            raise ValueError(f"init must be auto, average or distill, got {p['init']!r}")
+        if p["init_weights"] not in ("uniform", "samples"):
+            raise ValueError(f"init_weights must be uniform (Eq. 4) or samples, got {p['init_weights']!r}")
+        if not isinstance(p["init_lr"], (int, float)) or p["init_lr"] <= 0:
+            raise ValueError(f"init_lr must be positive, got {p['init_lr']!r}")
+        self.fusion(ctx, self.lam)
+        self.check_generative(ctx)
+        self.init_mode(ctx)
+
+    @property
+    def lam(self) -> float:
+        return 1.0 if self.kd == "none" else self.params["lam"]
+
+    # ---- client side --------------------------------------------------------------------------
+    def client_message(self, client_id: int, ctx: ServerContext) -> Payload:
+        if client_id in self.generative_ids(ctx):
+            return self.cvae_request(client_id, ctx)
+        return super().client_message(client_id, ctx)  # the shared train_classifier request
+
+    # ---- server side --------------------------------------------------------------------------
+    def synthetic(self, uploads: dict[int, Payload], ctx: ServerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Alg. 1 lines 10-14: generate, then filter per class (Alg. 2)."""
+        _, decs, counts = self.decoders(uploads, ctx)
+        alloc = allocate_per_class(counts, self.params["num_samples"])
+        x, y = generate(decs, alloc, derive_seed(ctx.seed, self.name, "generate"))
+        ctx.record["synthetic_generated"] = len(y)
+        if self.params["filter"]:
+            keep = kmeans_filter(x, y, float(self.params["r_th"])).to(x.device)
+            x, y = x[keep], y[keep]
+        ctx.record["synthetic_used"] = len(y)
+        return x, y
+
+    def initial_model(self, classifiers: dict[int, nn.Module], uploads: dict[int, Payload], x: torch.Tensor,
+                      ctx: ServerContext) -> nn.Module:
+        """Eq. 4 (parameter average) or, for heterogeneous classifiers, ensemble distillation."""
+        mode = self.init_mode(ctx)
+        ctx.record["init"] = mode
+        model = ctx.build(ctx.server_arch, purpose=f"{self.name}-global")
+        if mode == "average":
+            ids = sorted(classifiers)
+            weights = [uploads[c].meta["num_samples"] if self.params["init_weights"] == "samples" else 1.0
+                       for c in ids]
+            model.load_state_dict(weighted_average([classifiers[c].state_dict() for c in ids], weights))
+            return model
+        logits = teacher_logits(list(classifiers.values()), x)
+        fusion = self.fusion(ctx, lam=0.0)
+        epochs = self.params["init_epochs"] if self.params["init_epochs"] is not None else fusion.epochs
+        cfg = FusionConfig(epochs=epochs, batch_size=fusion.batch_size, lr=self.params["init_lr"], lam=0.0)
+        dummy = torch.zeros(len(x), dtype=torch.long, device=x.device)  # CE weight is 0: labels unused
+        train_on_synthetic(model, x, dummy, cfg, derive_seed(ctx.seed, self.name, "init"), teacher=logits,
+                           progress=ctx.progress, desc=f"{self.name}: ensemble-distillation init")
+        return model
+
+    def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
+        ids = [c for c in self.classification_ids(ctx) if c in uploads]  # an engine may drop failed clients
+        if not ids:
+            raise ValueError(f"{self.name}: no classification client uploaded")
+        classifiers = {c: classifier_from_upload(uploads[c], c, ctx) for c in ids}
+        x, y = self.synthetic(uploads, ctx)
+        model = self.initial_model(classifiers, uploads, x, ctx)
+        init = copy.deepcopy(model).eval().requires_grad_(False)  # w_0: SD's frozen teacher
+        self.teacher = init
+        teacher = None
+        if self.kd == "md":
+            teacher = teacher_logits(list(classifiers.values()), x)
+        elif self.kd == "sd":
+            teacher = teacher_logits([init], x)
+        curve = train_on_synthetic(model, x, y, self.fusion(ctx, self.lam), derive_seed(ctx.seed, self.name, "fuse"),
+                                   teacher=teacher, evaluate=ctx.evaluate, log=ctx.log, progress=ctx.progress,
+                                   desc=f"{self.name}: knowledge fusion")
+        ctx.record["curve"] = curve
+        ctx.record["init_accuracy"] = curve[0] if curve else None
+        return {self.name: model, f"{self.name}[init]": init}
+
+
+@register("fedmho_md")
+class FedMHOMD(FedMHO):
+    name = "fedmho_md"
+    kd = "md"
+
+
+@register("fedmho_sd")
+class FedMHOSD(FedMHO):
+    name = "fedmho_sd"
+    kd = "sd"
+
+
+register("fedmho")(FedMHO)
