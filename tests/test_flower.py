@@ -147,9 +147,12 @@ def test_node_state_survives_in_context_state() -> None:
 
 
 def test_fake_grid_equals_simulator_one_shot_and_rounds(tmp_path: Path, task_identity: None) -> None:
-    cfg = config(methods={"ensemble": {}}, client={**BASE["client"], "model": ["cnn2", "lenet5"]},
+    cfg = config(methods={"ensemble": {}, "fedavg": {}}, client={**BASE["client"], "model": ["cnn2", "lenet5"]},
                  server={"model": "cnn2"})
-    assert_same_results(serve(cfg, tmp_path / "fl"), simulate(cfg, tmp_path / "sim"))
+    sent: list[int] = []
+    flower = serve(cfg, tmp_path / "fl", lambda nid, msg, reply: sent.append(nid) or reply)
+    assert sorted(sent) == [100, 101, 102]  # both one-shot methods share one client round
+    assert_same_results(flower, simulate(cfg, tmp_path / "sim"))
     rounds = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
     flower = serve(rounds, tmp_path / "fl2")
     assert flower["engine"]["name"] == "flower"

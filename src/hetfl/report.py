@@ -114,9 +114,10 @@ def plot_results(results: dict[str, dict[str, Any]], path: Path, title: str = ""
 def write_plots(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     out_dir = Path(out_dir)
     written = []
-    part = json.loads((out_dir / "partition.json").read_text())
-    plot_partition(np.array(part["counts"]), out_dir / "partition.png", summary["config"].get("name", ""))
-    written.append(out_dir / "partition.png")
+    if (out_dir / "partition.json").is_file():  # a remote server never sees the partition
+        part = json.loads((out_dir / "partition.json").read_text())
+        plot_partition(np.array(part["counts"]), out_dir / "partition.png", summary["config"].get("name", ""))
+        written.append(out_dir / "partition.png")
     if plot_curves(out_dir / "metrics.jsonl", out_dir / "accuracy.png"):
         written.append(out_dir / "accuracy.png")
     if summary["results"]:

@@ -118,6 +118,7 @@ class Simulator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.cached_calls = 0
         self.engine_info: dict[str, Any] = {"name": "simulator"} if transport is None else {"name": "remote"}
+        self._answered: dict[tuple[int, str], Payload] = {}  # remote one-shot uploads of this run
 
     # ---- helpers lent to methods -------------------------------------------------------------
     def progress(self, iterable: Any = None, **kw: Any) -> tqdm:
@@ -210,7 +211,7 @@ class Simulator:
         else:
             for cid, message in messages.items():
                 ledger.add(round_, cid, "down", message.nbytes)
-            uploads, failures = self.transport.exchange(round_, messages)
+            uploads, failures = self._remote(round_, messages, cacheable)
             for cid, upload in uploads.items():
                 ledger.add(round_, cid, "up", upload.nbytes)
         accepted: dict[int, Payload] = {}
@@ -224,6 +225,20 @@ class Simulator:
             log.warning("%s: round %d: client %d left out: %s", method.name, round_, cid, reason)
             ctx.record.setdefault("client_failures", []).append({"round": round_, "client": cid, "reason": reason})
         return accepted
+
+    def _remote(self, round_: int, messages: dict[int, Payload],
+                cacheable: bool) -> tuple[dict[int, Payload], dict[int, str]]:
+        """Through the transport. A cacheable request a client already answered in this run (the
+        same one-shot request from another method) is answered from memory, so every one-shot
+        method gets the byte-identical upload and the client trains once; bytes are counted as
+        if sent, as with the local upload cache."""
+        keys = {cid: (cid, hashlib.sha256(m.to_bytes()).hexdigest()) for cid, m in messages.items()}
+        known = {cid: self._answered[k] for cid, k in keys.items() if cacheable and k in self._answered}
+        todo = {c: m for c, m in messages.items() if c not in known}
+        uploads, failures = self.transport.exchange(round_, todo) if todo else ({}, {})
+        if cacheable:
+            self._answered.update({keys[cid]: up for cid, up in uploads.items()})
+        return {**uploads, **known}, failures
 
     def _one_shot(self, method: OneShotMethod, ctx: ServerContext, ledger: CommLedger) -> dict[str, nn.Module]:
         uploads: dict[int, Payload] = {}

@@ -165,7 +165,7 @@ def _minutes(cells: list[dict[str, Any]]) -> str:
     cached = sum(_all_cached(s) for s in timed)
     note = f"; {cached} of them with every client upload from the cache (server stages only)" if cached else ""
     return (f"Minutes per cell (all methods, incl. local training unless cached): "
-            f"{stats([s['minutes'] for s in timed])} over {len(timed)} cell(s){note}.")
+            f"{stats([s['minutes'] + s.get('prior_minutes', 0.0) for s in timed])} over {len(timed)} cell(s){note}.")
 
 
 def report(root: Path, budget: str) -> str:
@@ -232,6 +232,46 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     path.write_text("\n\n".join(parts) + "\n")
 
 
+# ---- cells run in parts -------------------------------------------------------------------------------
+def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What an earlier run of this cell (same setting, other or fewer methods) finished, so that adding
+    methods to a cell (e.g. the baselines after the FedMHO family) keeps the earlier methods' results:
+    the simulator rewrites ``summary.json`` with the methods it runs. A copy of the earlier summary is
+    kept in ``summary-prior.json`` while the new methods run (an interrupted run loses nothing)."""
+    empty: dict[str, Any] = {"config": {**cfg, "methods": {}}, "results": {}}
+    found = [json.loads(p.read_text()) for p in (out / "summary-prior.json", out / "summary.json") if p.is_file()]
+    setting = {k: v for k, v in cfg.items() if k != "methods"}
+    prior = empty
+    for s in found:
+        if {k: v for k, v in s["config"].items() if k != "methods"} != setting:
+            continue
+        prior = {**s, "config": {**s["config"], "methods": {**prior["config"]["methods"], **s["config"]["methods"]}},
+                 "results": {**prior["results"], **s["results"]},
+                 "minutes": max(prior.get("minutes", 0.0), s.get("minutes", 0.0))}
+    if prior["results"]:
+        (out / "summary-prior.json").write_text(json.dumps(prior, indent=1))
+    return prior
+
+
+def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` (the methods just run) joined with ``prior``'s other methods; the cell's minutes
+    are the earlier run's plus this one's (``prior_minutes``), metrics.jsonl covers every method."""
+    if not prior["results"]:
+        return summary
+    methods = {**prior["config"]["methods"], **summary["config"]["methods"]}
+    merged = {**summary, "config": {**summary["config"], "methods": methods},
+              "results": {**{m: r for m, r in prior["results"].items() if m not in summary["results"]},
+                          **summary["results"]},
+              "prior_minutes": prior.get("minutes", 0.0) + prior.get("prior_minutes", 0.0)}
+    (out / "config.json").write_text(json.dumps(merged["config"], indent=1))
+    with open(out / "metrics.jsonl", "w") as f:
+        for m in methods:
+            if (out / m / "metrics.jsonl").is_file():
+                f.write((out / m / "metrics.jsonl").read_text())
+    (out / "summary-prior.json").unlink(missing_ok=True)
+    return merged
+
+
 # ---- command --------------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
     """``hetfl reproduce fedmho``: validate the whole grid, then run the cells not yet finished."""
@@ -261,7 +301,14 @@ def main(args: argparse.Namespace) -> int:
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
         cfg = validate(cfg)
-        return Simulator(prepare(cfg, data_root), out, cache, quiet=args.quiet, data_root=data_root).run()
+        prior = prior_results(out, cfg)
+        todo = {m: p for m, p in cfg["methods"].items()
+                if m not in prior["results"] or prior["config"]["methods"].get(m) != p}
+        if not todo:
+            return prior
+        summary = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=args.quiet,
+                            data_root=data_root).run()
+        return merge_results(out, prior, summary)
 
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
