@@ -260,7 +260,7 @@ def test_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> Non
 
 
 def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path: Path) -> None:
-    cfg = config(methods={"ensemble": {}}, flower={"timeout": 15, "node_wait": 60})
+    cfg = config(methods={"ensemble": {}}, flower={"timeout": 40, "node_wait": 60})
     connected = threading.Event()
 
     def log(line: str) -> None:
