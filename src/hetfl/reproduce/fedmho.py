@@ -245,7 +245,8 @@ def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     for s in found:
         if {k: v for k, v in s["config"].items() if k != "methods"} != setting:
             continue
-        prior = {**s, "config": {**s["config"], "methods": {**prior["config"]["methods"], **s["config"]["methods"]}},
+        done = {m: q for m, q in s["config"]["methods"].items() if m in s["results"]}  # not the unfinished ones
+        prior = {**s, "config": {**s["config"], "methods": {**prior["config"]["methods"], **done}},
                  "results": {**prior["results"], **s["results"]},
                  "minutes": max(prior.get("minutes", 0.0), s.get("minutes", 0.0))}
     if prior["results"]:
