@@ -336,3 +336,24 @@ def test_reproduce_grid_validates_and_shares_classifier_requests():
         assert cfg["server"]["model"] == paper.BUDGETS[budget]["large"]
     nofilter = paper.cell_config("mnist", "0.5", 0, "reduced", variant="nofilter")["methods"]
     assert nofilter["fedmho_md"]["filter"] is False and nofilter["fedmho_md"]["num_samples"] == 4800
+
+
+def test_reproduce_merge_keeps_earlier_methods_of_a_cell(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce.fedmho import merge_results, prior_results
+
+    base = {"seed": 0, "dataset": "mnist", "clients": 10}
+    first = {"config": {**base, "methods": {"fedmho": {}, "fedmho_sd": {}}}, "minutes": 4.0,
+             "results": {"fedmho": {"accuracy": 96.0}}}  # fedmho_sd unfinished: no result
+    (tmp_path / "summary.json").write_text(json.dumps(first))
+    new_cfg = {**base, "methods": {"dense": {}}}
+    prior = prior_results(tmp_path, new_cfg)
+    assert set(prior["results"]) == {"fedmho"} and set(prior["config"]["methods"]) == {"fedmho"}
+    assert (tmp_path / "summary-prior.json").is_file()  # survives an interrupted run
+    merged = merge_results(tmp_path, prior, {"config": new_cfg, "results": {"dense": {"accuracy": 91.0}}})
+    assert merged["results"] == {"fedmho": {"accuracy": 96.0}, "dense": {"accuracy": 91.0}}
+    assert set(merged["config"]["methods"]) == {"fedmho", "dense"} and merged["prior_minutes"] == 4.0
+    assert not (tmp_path / "summary-prior.json").exists()
+    other = prior_results(tmp_path, {**base, "seed": 1, "methods": {"dense": {}}})  # another cell: nothing
+    assert other["results"] == {}
