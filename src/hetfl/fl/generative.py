@@ -34,6 +34,16 @@ from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 
 # ---- client side --------------------------------------------------------------------------------
+def check_loop(epochs: object, batch_size: object, lr: object, prefix: str = "") -> None:
+    """Shared checks of a training loop's settings; messages name the key (with ``prefix``)."""
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"{prefix}epochs must be a non-negative integer, got {epochs!r}")
+    if not isinstance(batch_size, int) or batch_size < 2:
+        raise ValueError(f"{prefix}batch_size must be an integer >= 2, got {batch_size!r}")
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise ValueError(f"{prefix}lr must be positive, got {lr!r}")
+
+
 @dataclass(frozen=True)
 class CVAETrain:
     """Local CVAE optimiser settings (FedMHO Table 3: Adam, batch 64; lr and epochs per dataset)."""
@@ -43,12 +53,7 @@ class CVAETrain:
     lr: float = 5e-2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.epochs, int) or self.epochs < 0:
-            raise ValueError(f"cvae epochs must be a non-negative integer, got {self.epochs!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 2:
-            raise ValueError(f"cvae batch_size must be an integer >= 2, got {self.batch_size!r}")
-        if not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise ValueError(f"cvae lr must be positive, got {self.lr!r}")
+        check_loop(self.epochs, self.batch_size, self.lr, "cvae ")
 
 
 def cvae_message(arch: str, shape: tuple[int, int, int], num_classes: int, latent_dim: int, cfg: CVAETrain,
@@ -214,12 +219,7 @@ class FusionConfig:
     eval_every: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.epochs, int) or self.epochs < 0:
-            raise ValueError(f"epochs must be a non-negative integer, got {self.epochs!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 2:
-            raise ValueError(f"batch_size must be an integer >= 2, got {self.batch_size!r}")
-        if not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        check_loop(self.epochs, self.batch_size, self.lr)
         if not 0 <= self.lam <= 1:
             raise ValueError(f"lambda must be in [0, 1], got {self.lam!r}")
         if self.kl_reduction not in ("batchmean", "mean"):

@@ -62,6 +62,8 @@ def _apply_in(weight: torch.Tensor, T: torch.Tensor | None) -> torch.Tensor:
 def fuse(states: list[dict[str, torch.Tensor]], layers: list[tuple[str, nn.Module, str | None]],
          weights: list[float], anchor: int = 0) -> dict[str, torch.Tensor]:
     """Align every state to ``states[anchor]`` and return the weighted average."""
+    import ot as pot  # POT imports scikit-learn (~3 s): only when OT fusion runs, not on import
+
     aligned = []
     for k, state in enumerate(states):
         if k == anchor:
@@ -84,8 +86,6 @@ def fuse(states: list[dict[str, torch.Tensor]], layers: list[tuple[str, nn.Modul
                 rows_a = torch.cat([rows_a, states[anchor][f"{name}.bias"].double()[:, None]], dim=1)
             n = rows_k.shape[0]
             cost = torch.cdist(rows_k, rows_a).pow(2).numpy()
-            import ot as pot  # POT imports scikit-learn (~3 s): only when OT fusion runs
-
             plan = pot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost)
             T = torch.from_numpy(plan) * n  # columns sum to 1: anchor neuron j <- sum_i T[i, j] neuron i
             mapped = torch.einsum("ij,i...->j...", T, W)

@@ -40,3 +40,13 @@ def stats(values: list[float]) -> str:
     if len(values) == 1:
         return f"{mean:.2f}"
     return f"{mean:.2f} ± {statistics.stdev(values):.2f}"
+
+
+def write_results(path: Path, header: str, bodies: list[str], notes: Path | None = None) -> None:
+    """A results file: the header, every budget's tables that hold a cell (``###``), then the
+    hand-written notes file if there is one."""
+    parts = [header, *(b for b in bodies if "###" in b)]
+    if notes is not None and notes.is_file():
+        parts.append(notes.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(parts) + "\n")

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hetfl.reproduce import common
 from hetfl.reproduce.common import cell_summaries, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
 from hetfl.reproduce.common import stats as _stats
 
@@ -170,15 +171,7 @@ quoted after the bar.
 
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
-    parts = [HEADER]
-    for budget in BUDGETS:
-        body = report(root, budget)
-        if "###" in body:
-            parts.append(body)
-    if notes is not None and notes.is_file():
-        parts.append(notes.read_text())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(parts) + "\n")
+    common.write_results(path, HEADER, [report(root, budget) for budget in BUDGETS], notes)
 
 
 def grid(datasets: list[str], settings: list[str], seeds: list[int], budget: str, methods: tuple[str, ...],

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hetfl.reproduce import common
 from hetfl.reproduce.common import cell_summaries, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
@@ -221,15 +222,7 @@ seeds). The paper's numbers are Table 4 / Table 6 (mean ± sd over its seeds).
 
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
-    parts = [HEADER]
-    for budget in BUDGETS:
-        body = report(root, budget)
-        if "###" in body:
-            parts.append(body)
-    if notes is not None and notes.is_file():
-        parts.append(notes.read_text())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(parts) + "\n")
+    common.write_results(path, HEADER, [report(root, budget) for budget in BUDGETS], notes)
 
 
 # ---- cells run in parts -------------------------------------------------------------------------------
