@@ -357,3 +357,24 @@ def test_reproduce_merge_keeps_earlier_methods_of_a_cell(tmp_path) -> None:
     assert not (tmp_path / "summary-prior.json").exists()
     other = prior_results(tmp_path, {**base, "seed": 1, "methods": {"dense": {}}})  # another cell: nothing
     assert other["results"] == {}
+
+
+def test_report_writes_fig6_table_and_plot(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce import fedmho as paper
+
+    cfg = paper.cell_config("mnist", "0.5", 0, "reduced", variant="curve")
+    cell = tmp_path / "runs" / cfg["name"]
+    cell.mkdir(parents=True)
+    curves = {"fedmho": [95.0, 94.0, 96.0], "fedmho_md": [95.0, 93.0, 93.5], "fedmho_sd": [95.0, 92.5, 93.9]}
+    results = {m: {"accuracy": c[-1], "best_accuracy": max(c), "curve": c} for m, c in curves.items()}
+    (cell / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    out = tmp_path / "docs" / "fedmho.md"
+    paper.write_results(tmp_path / "runs", out)
+    text = out.read_text()
+    assert "### Fig. 6, MNIST" in text
+    assert "| 2 | 96.00 | 93.50 | 93.90 |" in text  # epoch 2 of each curve, in CURVE_METHODS order
+    png = out.with_name(f"fedmho-fig6-{cfg['name']}.png")
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"]({png.name})" in text

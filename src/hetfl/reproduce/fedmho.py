@@ -169,7 +169,7 @@ def _minutes(cells: list[dict[str, Any]]) -> str:
             f"{stats([s['minutes'] + s.get('prior_minutes', 0.0) for s in timed])} over {len(timed)} cell(s){note}.")
 
 
-def report(root: Path, budget: str) -> str:
+def report(root: Path, budget: str, stem: str = "fedmho") -> str:
     cells = _cells(root, budget)
     lines = [f"## Budget `{budget}`: {json.dumps(BUDGETS[budget])}", ""]
     for dataset in DATASETS:
@@ -190,11 +190,11 @@ def report(root: Path, budget: str) -> str:
         curves = [s for s in mine if _variant(s["config"]) == "curve"]
         if curves:
             lines += [f"### Fig. 6, {dataset.upper()}: test accuracy per server epoch (epoch 0 = w_0)", "",
-                      *_curve_table(curves), ""]
+                      *_curve_table(curves, stem), ""]
     return "\n".join(lines)
 
 
-def _curve_table(cells: list[dict[str, Any]]) -> list[str]:
+def _curve_table(cells: list[dict[str, Any]], stem: str) -> list[str]:
     lines = []
     for s in cells:
         curves = {m: s["results"][m].get("curve", []) for m in CURVE_METHODS if m in s["results"]}
@@ -204,7 +204,7 @@ def _curve_table(cells: list[dict[str, Any]]) -> list[str]:
                   "|---|" + "---|" * len(curves)]
         lines += [f"| {e} | " + " | ".join(f"{c[e]:.2f}" if e < len(c) else "-" for c in curves.values()) + " |"
                   for e in picks]
-        lines.append("")
+        lines += ["", f"![Fig. 6, {s['config']['name']}]({stem}-fig6-{s['config']['name']}.png)", ""]
     return lines
 
 
@@ -221,8 +221,40 @@ seeds). The paper's numbers are Table 4 / Table 6 (mean ± sd over its seeds).
 """
 
 
+def plot_curves(root: Path, path: Path) -> list[Path]:
+    """Fig. 6 as a picture: accuracy per server epoch of FedMHO (CE only) and FedMHO-MD/-SD (CE +
+    KD), one PNG per curve cell, written next to ``path`` as ``<stem>-fig6-<cell>.png``."""
+    cells = [s for budget in BUDGETS for s in _cells(root, budget) if _variant(s["config"]) == "curve"]
+    if not cells:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for s in cells:
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for m in CURVE_METHODS:
+            curve = s["results"].get(m, {}).get("curve", [])
+            if curve:
+                ax.plot(range(len(curve)), curve, label=LABELS[m] + (" (no KD)" if m == "fedmho" else ""))
+        ax.set_xlabel("server epoch (0 = w_0, the average of the classifiers)")
+        ax.set_ylabel("test accuracy %")
+        ax.set_title(f"Fig. 6: {s['config']['name']}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = path.with_name(f"{path.stem}-fig6-{s['config']['name']}.png")
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
-    common.write_results(path, HEADER, [report(root, budget) for budget in BUDGETS], notes)
+    common.write_results(path, HEADER, [report(root, budget, path.stem) for budget in BUDGETS], notes)
+    plot_curves(root, path)
 
 
 # ---- cells run in parts -------------------------------------------------------------------------------
