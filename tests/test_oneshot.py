@@ -246,3 +246,26 @@ def test_bad_generator_settings_fail_before_any_training(tmp_path):
     with pytest.raises(ValueError, match="methods.dense: epochs, generator_steps >= 1"):
         Simulator(prepare(validate(cfg)), tmp_path, None, quiet=True).run()
     assert not (tmp_path / "fedavg" / "fedavg.safetensors").exists()
+
+
+def test_fedhydra_ablation_keys_are_validated_and_adv_mask_zeroes_agreeing_samples():
+    from hetfl.fl.datafree import DataFreeConfig
+    from hetfl.methods.fedhydra import FedHydra, FedHydraRecipe
+
+    for key, bad, message in [("aggregation", "median", "aggregation must be one of"),
+                              ("column_scale", "max", "column_scale must be"),
+                              ("adv_mask", "agree", "adv_mask must be one of"),
+                              ("reset_generator", "yes", "reset_generator must be true or false")]:
+        with pytest.raises(ValueError, match=message):
+            FedHydra({key: bad}).check(None)
+    m, c = 2, 3
+    U_r, U_c = torch.full((c, m), 1 / m), torch.full((c, m), 1 / c)
+    P = torch.tensor([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
+    s = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 3.0]])  # sample 0 agrees with P, sample 1 does not
+    y, bn, cfg = torch.tensor([0, 1]), torch.zeros(m), DataFreeConfig(lambda_bn=0.0, lambda_adv=1.0)
+    ce = F.cross_entropy(P, y)
+    kl = kl_div(P, s, 1.0, reduction="none")
+    plain = FedHydraRecipe(U_r, U_c, 1.0).generator_loss(P, s, y, bn, cfg)
+    masked = FedHydraRecipe(U_r, U_c, 1.0, adv_mask="disagree").generator_loss(P, s, y, bn, cfg)
+    assert float(plain) == pytest.approx(float(ce - kl.mean()))  # Eq. 15-16: every sample
+    assert float(masked) == pytest.approx(float(ce - kl[1] / 2))  # only the disagreeing sample, batch mean
