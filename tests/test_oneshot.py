@@ -269,3 +269,5 @@ def test_fedhydra_ablation_keys_are_validated_and_adv_mask_zeroes_agreeing_sampl
     masked = FedHydraRecipe(U_r, U_c, 1.0, adv_mask="disagree").generator_loss(P, s, y, bn, cfg)
     assert float(plain) == pytest.approx(float(ce - kl.mean()))  # Eq. 15-16: every sample
     assert float(masked) == pytest.approx(float(ce - kl[1] / 2))  # only the disagreeing sample, batch mean
+    agree = FedHydraRecipe(U_r, U_c, 1.0, adv_mask="agree").generator_loss(P, s, y, bn, cfg)
+    assert float(agree) == pytest.approx(float(ce - kl[0] / 2))  # only the agreeing sample
