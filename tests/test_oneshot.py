@@ -248,13 +248,13 @@ def test_bad_generator_settings_fail_before_any_training(tmp_path):
     assert not (tmp_path / "fedavg" / "fedavg.safetensors").exists()
 
 
-def test_fedhydra_ablation_keys_are_validated_and_adv_mask_zeroes_agreeing_samples():
+def test_fedhydra_ablation_keys_are_validated_and_adv_mask_selects_samples():
     from hetfl.fl.datafree import DataFreeConfig
     from hetfl.methods.fedhydra import FedHydra, FedHydraRecipe
 
     for key, bad, message in [("aggregation", "median", "aggregation must be one of"),
                               ("column_scale", "max", "column_scale must be"),
-                              ("adv_mask", "agree", "adv_mask must be one of"),
+                              ("adv_mask", "both", "adv_mask must be one of"),
                               ("reset_generator", "yes", "reset_generator must be true or false")]:
         with pytest.raises(ValueError, match=message):
             FedHydra({key: bad}).check(None)
