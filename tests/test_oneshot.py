@@ -271,3 +271,15 @@ def test_fedhydra_ablation_keys_are_validated_and_adv_mask_selects_samples():
     assert float(masked) == pytest.approx(float(ce - kl[1] / 2))  # only the disagreeing sample, batch mean
     agree = FedHydraRecipe(U_r, U_c, 1.0, adv_mask="agree").generator_loss(P, s, y, bn, cfg)
     assert float(agree) == pytest.approx(float(ce - kl[0] / 2))  # only the agreeing sample
+
+
+def test_fedhydra_with_a_replay_pool_checkpoints_and_resumes(tmp_path):
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"fedhydra": {"epochs": 3, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
+                                   "checkpoint_every": 1, "pool_size": -1, "replay": 2}}
+    first = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    info = json.loads((tmp_path / "run" / "fedhydra" / "checkpoint.json").read_text())
+    assert info["epoch"] == 3 and info["pool"] == 3 * 2  # every intermediate batch of every epoch kept
+    again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert again["results"]["fedhydra"]["resumed_from_epoch"] == 3
+    assert again["results"]["fedhydra"]["accuracy"] == pytest.approx(first["results"]["fedhydra"]["accuracy"])

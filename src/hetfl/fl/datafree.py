@@ -210,7 +210,9 @@ class DataFreeDistiller:
             kept = [min(kept, key=lambda item: item[2])]
         # Images are kept as uint8 (as DENSE's PNG pool); the client logits are the ones computed in
         # the generator step on the unquantised images (at most 1/255 apart), not a second forward.
-        return [(to_uint8(x), y.detach(), logits) for x, logits, _ in kept]
+        # Each kept batch owns its labels: batches sharing one y tensor cannot be checkpointed
+        # (safetensors refuses shared storage).
+        return [(to_uint8(x), y.detach().clone(), logits) for x, logits, _ in kept]
 
     def distill(self, batches: list[Batch]) -> float:
         self.student.train()
