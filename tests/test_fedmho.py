@@ -378,3 +378,20 @@ def test_report_writes_fig6_table_and_plot(tmp_path) -> None:
     png = out.with_name(f"fedmho-fig6-{cfg['name']}.png")
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
     assert f"]({png.name})" in text
+
+
+def test_report_adds_a_row_for_fedcvae_kd_only_when_a_cell_ran_it(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce import fedmho as paper
+
+    cfg = paper.cell_config("mnist", "0.1", 0, "reduced", methods=("fedmho",))
+    cell = tmp_path / cfg["name"]
+    cell.mkdir()
+    summary = {"config": cfg, "results": {"fedmho": {"accuracy": 88.0, "best_accuracy": 88.5}}}
+    (cell / "summary.json").write_text(json.dumps(summary))
+    assert "FedCVAE-KD" not in paper.report(tmp_path, "reduced")
+    summary["results"]["fedcvae_kd"] = {"accuracy": 80.0, "best_accuracy": 81.0}
+    (cell / "summary.json").write_text(json.dumps(summary))
+    row = next(x for x in paper.report(tmp_path, "reduced").splitlines() if x.startswith("| FedCVAE-KD"))
+    assert row == "| FedCVAE-KD | not run | - | not run | - | 80.00 (81.00) | - |"  # no paper number for KD
