@@ -341,7 +341,7 @@ def test_reproduce_grid_validates_and_shares_classifier_requests():
 def test_reproduce_merge_keeps_earlier_methods_of_a_cell(tmp_path) -> None:
     import json
 
-    from hetfl.reproduce.fedmho import merge_results, prior_results
+    from hetfl.reproduce.common import merge_results, prior_results
 
     base = {"seed": 0, "dataset": "mnist", "clients": 10}
     first = {"config": {**base, "methods": {"fedmho": {}, "fedmho_sd": {}}}, "minutes": 4.0,

@@ -67,3 +67,30 @@ def test_cli_rejects_unknown_settings(capsys):
 def test_budgets_define_every_key(budget):
     assert set(paper.BUDGETS[budget]) == {"client_epochs", "epochs", "generator_steps", "batch_size",
                                           "strat_batch_size", "feddf_steps"}
+
+
+def test_adding_a_method_to_a_finished_cell_runs_only_that_method(tmp_path, monkeypatch):
+    from hetfl.config import validate
+    from hetfl.engine.simulator import Simulator
+    from hetfl.reproduce.common import run_missing_methods
+
+    base = {"name": "cell", "seed": 0, "dataset": "synthetic",
+            "data": {"train_per_class": 30, "test_per_class": 10, "size": 16, "classes": 4},
+            "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}, "clients": 3,
+            "client": {"model": "cnn2", "epochs": 1, "batch_size": 32, "lr": 0.1}}
+    ran: list[list[str]] = []
+    original = Simulator.run
+
+    def spy(self):
+        ran.append(sorted(self.exp.cfg["methods"]))
+        return original(self)
+
+    monkeypatch.setattr(Simulator, "run", spy)
+    first = run_missing_methods(validate({**base, "methods": {"fedavg": {}}}), tmp_path, tmp_path / "cache", None, True)
+    both = run_missing_methods(validate({**base, "methods": {"fedavg": {}, "ensemble": {}}}), tmp_path,
+                               tmp_path / "cache", None, True)
+    again = run_missing_methods(validate({**base, "methods": {"fedavg": {}, "ensemble": {}}}), tmp_path,
+                                tmp_path / "cache", None, True)
+    assert ran == [["fedavg"], ["ensemble"]]  # the third call finds both methods finished
+    assert both["results"]["fedavg"] == first["results"]["fedavg"]
+    assert set(both["results"]) == set(again["results"]) == {"fedavg", "ensemble"}

@@ -146,8 +146,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
-    from hetfl.engine.simulator import Simulator, prepare
     from hetfl.reproduce import fedhydra as paper
+    from hetfl.reproduce.common import run_missing_methods
 
     if args.paper == "fedmho":
         from hetfl.reproduce import fedmho
@@ -180,8 +180,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         validate(cfg)
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
-        cfg = validate(cfg)
-        return Simulator(prepare(cfg, data_root), out, cache, quiet=args.quiet, data_root=data_root).run()
+        return run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
 
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)

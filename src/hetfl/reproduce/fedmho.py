@@ -258,52 +258,10 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     plot_curves(root, path)
 
 
-# ---- cells run in parts -------------------------------------------------------------------------------
-def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """What an earlier run of this cell (same setting, other or fewer methods) finished, so that adding
-    methods to a cell (e.g. the baselines after the FedMHO family) keeps the earlier methods' results:
-    the simulator rewrites ``summary.json`` with the methods it runs. A copy of the earlier summary is
-    kept in ``summary-prior.json`` while the new methods run (an interrupted run loses nothing)."""
-    empty: dict[str, Any] = {"config": {**cfg, "methods": {}}, "results": {}}
-    found = [json.loads(p.read_text()) for p in (out / "summary-prior.json", out / "summary.json") if p.is_file()]
-    setting = {k: v for k, v in cfg.items() if k != "methods"}
-    prior = empty
-    for s in found:
-        if {k: v for k, v in s["config"].items() if k != "methods"} != setting:
-            continue
-        done = {m: q for m, q in s["config"]["methods"].items() if m in s["results"]}  # not the unfinished ones
-        prior = {**s, "config": {**s["config"], "methods": {**prior["config"]["methods"], **done}},
-                 "results": {**prior["results"], **s["results"]},
-                 "minutes": max(prior.get("minutes", 0.0), s.get("minutes", 0.0))}
-    if prior["results"]:
-        (out / "summary-prior.json").write_text(json.dumps(prior, indent=1))
-    return prior
-
-
-def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary`` (the methods just run) joined with ``prior``'s other methods; the cell's minutes
-    are the earlier run's plus this one's (``prior_minutes``), metrics.jsonl covers every method."""
-    if not prior["results"]:
-        return summary
-    methods = {**prior["config"]["methods"], **summary["config"]["methods"]}
-    merged = {**summary, "config": {**summary["config"], "methods": methods},
-              "results": {**{m: r for m, r in prior["results"].items() if m not in summary["results"]},
-                          **summary["results"]},
-              "prior_minutes": prior.get("minutes", 0.0) + prior.get("prior_minutes", 0.0)}
-    (out / "config.json").write_text(json.dumps(merged["config"], indent=1))
-    with open(out / "metrics.jsonl", "w") as f:
-        for m in methods:
-            if (out / m / "metrics.jsonl").is_file():
-                f.write((out / m / "metrics.jsonl").read_text())
-    (out / "summary-prior.json").unlink(missing_ok=True)
-    return merged
-
-
 # ---- command --------------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
     """``hetfl reproduce fedmho``: validate the whole grid, then run the cells not yet finished."""
     from hetfl.config import ConfigError, validate
-    from hetfl.engine.simulator import Simulator, prepare
 
     def csv(text: str) -> list[str]:
         return [t.strip() for t in text.split(",") if t.strip()]
@@ -327,15 +285,7 @@ def main(args: argparse.Namespace) -> int:
         validate(cfg)
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
-        cfg = validate(cfg)
-        prior = prior_results(out, cfg)
-        todo = {m: p for m, p in cfg["methods"].items()
-                if m not in prior["results"] or prior["config"]["methods"].get(m) != p}
-        if not todo:
-            return prior
-        summary = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=args.quiet,
-                            data_root=data_root).run()
-        return merge_results(out, prior, summary)
+        return common.run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
 
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
