@@ -72,23 +72,31 @@ def read_curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-def plot_curves(metrics_file: Path, path: Path) -> bool:
-    """Test accuracy against round/epoch for every method that logged more than one point."""
-    curves = {k: v for k, v in read_curves(metrics_file).items() if len(v) > 1}
+def plot_accuracy_lines(curves: dict[str, list[tuple[int, float]]], path: Path, xlabel: str = "round / epoch",
+                        title: str = "") -> bool:
+    """Test accuracy against round/epoch, one line per label with more than one point."""
+    curves = {k: v for k, v in curves.items() if len(v) > 1}
     if not curves:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, points in curves.items():
         steps, accs = zip(*points)
         ax.plot(steps, accs, label=name, marker="." if len(points) < 40 else None)
-    ax.set_xlabel("round / epoch")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy (%)")
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_curves(metrics_file: Path, path: Path) -> bool:
+    """Test accuracy against round/epoch for every method that logged more than one point."""
+    return plot_accuracy_lines(read_curves(metrics_file), path)
 
 
 def plot_results(results: dict[str, dict[str, Any]], path: Path, title: str = "") -> None:

@@ -225,31 +225,16 @@ seeds). The paper's numbers are Table 4 / Table 6 (mean ± sd over its seeds).
 def plot_curves(root: Path, path: Path) -> list[Path]:
     """Fig. 6 as a picture: accuracy per server epoch of FedMHO (CE only) and FedMHO-MD/-SD (CE +
     KD), one PNG per curve cell, written next to ``path`` as ``<stem>-fig6-<cell>.png``."""
-    cells = [s for budget in BUDGETS for s in _cells(root, budget) if _variant(s["config"]) == "curve"]
-    if not cells:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from hetfl.report import plot_accuracy_lines
 
     written = []
-    for s in cells:
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for m in CURVE_METHODS:
-            curve = s["results"].get(m, {}).get("curve", [])
-            if curve:
-                ax.plot(range(len(curve)), curve, label=LABELS[m] + (" (no KD)" if m == "fedmho" else ""))
-        ax.set_xlabel("server epoch (0 = w_0, the average of the classifiers)")
-        ax.set_ylabel("test accuracy %")
-        ax.set_title(f"Fig. 6: {s['config']['name']}", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+    for s in (s for budget in BUDGETS for s in _cells(root, budget) if _variant(s["config"]) == "curve"):
+        curves = {LABELS[m] + (" (no KD)" if m == "fedmho" else ""): list(enumerate(s["results"][m].get("curve", [])))
+                  for m in CURVE_METHODS if m in s["results"]}
         out = path.with_name(f"{path.stem}-fig6-{s['config']['name']}.png")
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        written.append(out)
+        if plot_accuracy_lines(curves, out, "server epoch (0 = w_0, the average of the classifiers)",
+                               f"Fig. 6: {s['config']['name']}"):
+            written.append(out)
     return written
 
 
