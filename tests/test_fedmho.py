@@ -17,6 +17,7 @@ from hetfl.fl.generative import (
     allocate_by_share,
     allocate_per_class,
     generate,
+    kd_term,
     keep_count,
     kmeans_filter,
     largest_remainder,
@@ -247,6 +248,26 @@ def test_heterogeneous_classifiers_initialise_by_ensemble_distillation(four_clie
     _, _, models, ctx = run_server("fedmho_md", four_clients, {"init_epochs": 1},
                                    archs=["cnn2", "lenet5", "cnn2", "cnn2"])
     assert ctx.record["init"] == "distill" and "fedmho_md" in models
+
+
+def test_kd_term_mean_is_torch_kldivloss_default():
+    torch.manual_seed(0)
+    teacher, student = torch.randn(8, 10), torch.randn(8, 10)
+    p, log_p, log_q = torch.softmax(teacher, 1), torch.log_softmax(teacher, 1), torch.log_softmax(student, 1)
+    expected = (p * (log_p - log_q)).mean()  # KLDivLoss() default: / (batch x classes)
+    assert torch.allclose(kd_term(teacher, student, "mean"), expected, atol=1e-6)
+    assert torch.allclose(kd_term(teacher, student, "batchmean"), expected * 10, atol=1e-5)
+
+
+def test_klmean_variants_differ_from_md_sd_only_in_the_kd_reduction(four_clients):
+    for base in ("fedmho_md", "fedmho_sd"):
+        plain, _, _, _ = run_server(base, four_clients, {})
+        variant, _, models, _ = run_server(f"{base}_klmean", four_clients, {})
+        assert variant.kd == plain.kd and variant.params["kl_reduction"] == "mean"
+        assert plain.params["kl_reduction"] == "batchmean"
+        assert {k: v for k, v in variant.params.items() if k != "kl_reduction"} == \
+            {k: v for k, v in plain.params.items() if k != "kl_reduction"}
+        assert f"{base}_klmean" in models
 
 
 # ---- configuration ----------------------------------------------------------------------------------

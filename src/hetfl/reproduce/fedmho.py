@@ -26,7 +26,9 @@ from hetfl.reproduce.common import cell_summaries, run_cell, stats
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 LABELS = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE", "coboosting": "Co-Boosting",
           "fedcvae_ens": "FedCVAE(-Ens)", "fedcvae_kd": "FedCVAE-KD", "fedmho": "FedMHO",
-          "fedmho_md": "FedMHO-MD", "fedmho_sd": "FedMHO-SD"}
+          "fedmho_md": "FedMHO-MD", "fedmho_sd": "FedMHO-SD",
+          "fedmho_md_klmean": "FedMHO-MD, KL mean (authors' code)",
+          "fedmho_sd_klmean": "FedMHO-SD, KL mean (authors' code)"}
 SETTINGS = ("0.5", "0.3", "0.1")
 DATASETS = ("mnist", "fmnist")
 PREFIX = "fedmho"
@@ -79,7 +81,8 @@ def method_params(budget: str) -> dict[str, dict[str, Any]]:
     return {"fedavg": {}, "feddf": {"steps": b["feddf_steps"], "eval_every": 100}, "dense": dict(gen),
             "coboosting": dict(gen), "fedcvae_ens": {**b["cvae"], "cvae": b["fedcvae_cvae"]},
             "fedcvae_kd": {**b["cvae"], "cvae": b["fedcvae_cvae"]},
-            "fedmho": dict(b["cvae"]), "fedmho_md": dict(b["cvae"]), "fedmho_sd": dict(b["cvae"])}
+            "fedmho": dict(b["cvae"]), "fedmho_md": dict(b["cvae"]), "fedmho_sd": dict(b["cvae"]),
+            "fedmho_md_klmean": dict(b["cvae"]), "fedmho_sd_klmean": dict(b["cvae"])}
 
 
 def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tuple[str, ...] = METHODS,
