@@ -94,3 +94,16 @@ def test_adding_a_method_to_a_finished_cell_runs_only_that_method(tmp_path, monk
     assert ran == [["fedavg"], ["ensemble"]]  # the third call finds both methods finished
     assert both["results"]["fedavg"] == first["results"]["fedavg"]
     assert set(both["results"]) == set(again["results"]) == {"fedavg", "ensemble"}
+
+
+def test_a_cell_run_before_a_schema_key_existed_keeps_its_methods():
+    from hetfl.config import validate
+    from hetfl.reproduce.common import same_setting
+
+    cfg = validate({"name": "cell", "seed": 0, "dataset": "synthetic", "clients": 3,
+                    "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}, "methods": {"fedavg": {}}})
+    older = {k: v for k, v in cfg.items() if k not in ("flower", "min_clients")}  # written before those keys
+    assert same_setting(older, cfg)
+    assert not same_setting(older, {**cfg, "min_clients": 2})  # a non-default value is a different setting
+    assert not same_setting({**older, "seed": 1}, cfg)
+    assert not same_setting({**cfg, "extra": 1}, cfg)

@@ -52,6 +52,26 @@ def write_results(path: Path, header: str, bodies: list[str], notes: Path | None
     path.write_text("\n\n".join(parts) + "\n")
 
 
+def same_setting(earlier: dict[str, Any], cfg: dict[str, Any]) -> bool:
+    """Whether an earlier run's config has the same setting as ``cfg`` (a validated config), methods
+    aside. A top-level key the earlier config lacks (added to the schema after that run) matches when
+    ``cfg`` holds that key's default, so a newer schema does not make finished cells run again."""
+    from hetfl.config import TOP_KEYS
+
+    keys = (set(earlier) | set(cfg)) - {"methods"}
+    missing = object()
+    return all(earlier.get(k, missing) == cfg.get(k, missing)
+               or (k not in earlier and k in TOP_KEYS and _is_default(k, cfg.get(k)))
+               for k in keys)
+
+
+def _is_default(key: str, value: Any) -> bool:
+    from hetfl.config import FLOWER_KEYS, TOP_KEYS
+
+    default = TOP_KEYS[key]
+    return value == default or (key == "flower" and value == FLOWER_KEYS)
+
+
 def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     """What an earlier run of this cell (same setting, other or fewer methods) finished, so that adding
     methods to a cell (e.g. the baselines after the FedMHO family) keeps the earlier methods' results:
@@ -59,10 +79,9 @@ def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     kept in ``summary-prior.json`` while the new methods run (an interrupted run loses nothing)."""
     empty: dict[str, Any] = {"config": {**cfg, "methods": {}}, "results": {}}
     found = [json.loads(p.read_text()) for p in (out / "summary-prior.json", out / "summary.json") if p.is_file()]
-    setting = {k: v for k, v in cfg.items() if k != "methods"}
     prior = empty
     for s in found:
-        if {k: v for k, v in s["config"].items() if k != "methods"} != setting:
+        if not same_setting(s["config"], cfg):
             continue
         done = {m: q for m, q in s["config"]["methods"].items() if m in s["results"]}  # not the unfinished ones
         prior = {**s, "config": {**s["config"], "methods": {**prior["config"]["methods"], **done}},
