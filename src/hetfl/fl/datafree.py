@@ -15,7 +15,9 @@ checkpoint after every ``checkpoint_every`` epochs so an interrupted server stag
 from __future__ import annotations
 
 import json
+import re
 import time
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -284,8 +286,10 @@ class DataFreeDistiller:
                 if state:
                     self.gen_opt.state[p] = state
         if self.schedule is not None:
-            for _ in range(info["epoch"]):
-                self.schedule.step()
+            with warnings.catch_warnings():  # fast-forwarding the schedule: no optimizer step is due
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+                for _ in range(info["epoch"]):
+                    self.schedule.step()
         self.history = info["history"]
         self.timing = info["timing"]
         return info["epoch"] + 1
