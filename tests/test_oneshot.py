@@ -229,6 +229,15 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     assert r["best_accuracy"] == pytest.approx(f["best_accuracy"], abs=1e-6)
     rows = [json.loads(x) for x in (tmp_path / "run" / "fedhydra" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, -1]  # epochs before the checkpoint kept, none twice
+    # Re-running a finished stage resumes at its last epoch: best-over-epochs still covers the epochs
+    # before the checkpoint (an early peak, planted in the checkpoint's history, must be reported).
+    info_path = tmp_path / "run" / "fedhydra" / "checkpoint.json"
+    info = json.loads(info_path.read_text())
+    info["history"][0] = 99.0
+    info_path.write_text(json.dumps(info))
+    again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert again["results"]["fedhydra"]["resumed_from_epoch"] == 4
+    assert again["results"]["fedhydra"]["best_accuracy"] == 99.0
 
 
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():

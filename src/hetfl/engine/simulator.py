@@ -167,6 +167,7 @@ class Simulator:
             log=lambda step, **m: self._log(name, step, **m), progress=self.progress,
             pooled_train_data=pooled, dataset=cfg["dataset"], data_root=Path(self.data_root or cfg["data_root"]),
             resume=self.resume, trim_log=lambda step: self._trim_metrics(name, step),
+            restore_history=lambda accuracies: history.__setitem__(slice(None), list(accuracies)),
         )
 
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,

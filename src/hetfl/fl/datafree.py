@@ -291,6 +291,7 @@ class DataFreeDistiller:
                 for _ in range(info["epoch"]):
                     self.schedule.step()
         self.history = info["history"]
+        self.ctx.restore_history(self.history)  # best-over-epochs also covers the epochs before the checkpoint
         self.timing = info["timing"]
         return info["epoch"] + 1
 

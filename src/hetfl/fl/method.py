@@ -59,6 +59,8 @@ class ServerContext:
     data_root: Path = Path("data")
     resume: bool = True
     trim_log: Callable[[int], None] = lambda step: None  # drop logged rows after ``step`` (on resume)
+    # on resume: the accuracies evaluated before the checkpoint, so best-over-epochs covers every epoch
+    restore_history: Callable[[list[float]], None] = lambda accuracies: None
     record: dict[str, Any] = field(default_factory=dict)
 
     def build(self, arch: str, purpose: str = "global") -> nn.Module:
