@@ -107,3 +107,12 @@ def test_a_cell_run_before_a_schema_key_existed_keeps_its_methods():
     assert not same_setting(older, {**cfg, "min_clients": 2})  # a non-default value is a different setting
     assert not same_setting({**older, "seed": 1}, cfg)
     assert not same_setting({**cfg, "extra": 1}, cfg)
+
+
+def test_cell_minutes_include_the_earlier_runs_of_the_cell(tmp_path):
+    cfg = fake_summary(tmp_path, "mnist", "0.5", 0, dict.fromkeys(("ensemble", *paper.METHODS), 50.0))
+    path = tmp_path / cfg["name"] / "summary.json"
+    summary = json.loads(path.read_text())
+    path.write_text(json.dumps({**summary, "minutes": 3.0, "prior_minutes": 9.0}))  # a method added later
+    text = paper.report(tmp_path, "reduced")
+    assert "Minutes per cell (all methods, incl. local training): 12.00 over 1 cells." in text

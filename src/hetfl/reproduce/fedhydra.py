@@ -115,7 +115,7 @@ def report(root: Path, budget: str) -> str:
                 seeds = f" n={len(runs)}" if runs else ""
                 row.append(f"{ours if runs else 'not run'}{seeds} | {f'{paper:.2f}' if paper is not None else '-'}")
             lines.append("| " + " | ".join(row) + " |")
-        minutes = [s.get("minutes") for s in main if s.get("minutes")]
+        minutes = [s["minutes"] + s.get("prior_minutes", 0.0) for s in main if s.get("minutes")]  # all runs of a cell
         if minutes:
             lines += ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
                       f"{len(minutes)} cells."]
