@@ -52,24 +52,23 @@ def write_results(path: Path, header: str, bodies: list[str], notes: Path | None
     path.write_text("\n\n".join(parts) + "\n")
 
 
+def cell_minutes(summary: dict[str, Any]) -> float:
+    """Wall minutes spent on a cell over all its runs (methods added later carry ``prior_minutes``)."""
+    return summary.get("minutes", 0.0) + summary.get("prior_minutes", 0.0)
+
+
 def same_setting(earlier: dict[str, Any], cfg: dict[str, Any]) -> bool:
     """Whether an earlier run's config has the same setting as ``cfg`` (a validated config), methods
-    aside. A top-level key the earlier config lacks (added to the schema after that run) matches when
-    ``cfg`` holds that key's default, so a newer schema does not make finished cells run again."""
-    from hetfl.config import TOP_KEYS
+    aside. The earlier config goes through :func:`hetfl.config.validate` first, so a key added to the
+    schema after that run (``flower``, ``min_clients``) takes its default instead of making the finished
+    cell run again; a config the current schema rejects is not the same setting."""
+    from hetfl.config import ConfigError, validate
 
-    keys = (set(earlier) | set(cfg)) - {"methods"}
-    missing = object()
-    return all(earlier.get(k, missing) == cfg.get(k, missing)
-               or (k not in earlier and k in TOP_KEYS and _is_default(k, cfg.get(k)))
-               for k in keys)
-
-
-def _is_default(key: str, value: Any) -> bool:
-    from hetfl.config import FLOWER_KEYS, TOP_KEYS
-
-    default = TOP_KEYS[key]
-    return value == default or (key == "flower" and value == FLOWER_KEYS)
+    try:
+        filled = validate({**earlier, "methods": cfg["methods"]})
+    except ConfigError:
+        return False
+    return {k: v for k, v in filled.items() if k != "methods"} == {k: v for k, v in cfg.items() if k != "methods"}
 
 
 def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import cell_summaries, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
+from hetfl.reproduce.common import cell_minutes, cell_summaries, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
 from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
@@ -115,7 +115,7 @@ def report(root: Path, budget: str) -> str:
                 seeds = f" n={len(runs)}" if runs else ""
                 row.append(f"{ours if runs else 'not run'}{seeds} | {f'{paper:.2f}' if paper is not None else '-'}")
             lines.append("| " + " | ".join(row) + " |")
-        minutes = [s["minutes"] + s.get("prior_minutes", 0.0) for s in main if s.get("minutes")]  # all runs of a cell
+        minutes = [cell_minutes(s) for s in main if s.get("minutes")]
         if minutes:
             lines += ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
                       f"{len(minutes)} cells."]

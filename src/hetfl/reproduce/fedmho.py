@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import cell_summaries, run_cell, stats
+from hetfl.reproduce.common import cell_minutes, cell_summaries, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 LABELS = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE", "coboosting": "Co-Boosting",
@@ -169,7 +169,7 @@ def _minutes(cells: list[dict[str, Any]]) -> str:
     cached = sum(_all_cached(s) for s in timed)
     note = f"; {cached} of them with every client upload from the cache (server stages only)" if cached else ""
     return (f"Minutes per cell (all methods, incl. local training unless cached): "
-            f"{stats([s['minutes'] + s.get('prior_minutes', 0.0) for s in timed])} over {len(timed)} cell(s){note}.")
+            f"{stats([cell_minutes(s) for s in timed])} over {len(timed)} cell(s){note}.")
 
 
 def report(root: Path, budget: str, stem: str = "fedmho") -> str:
