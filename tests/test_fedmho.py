@@ -364,11 +364,11 @@ def test_reproduce_merge_keeps_earlier_methods_of_a_cell(tmp_path) -> None:
 
     from hetfl.reproduce.common import merge_results, prior_results
 
-    base = {"seed": 0, "dataset": "mnist", "clients": 10}
-    first = {"config": {**base, "methods": {"fedmho": {}, "fedmho_sd": {}}}, "minutes": 4.0,
+    base = {"seed": 0, "dataset": "mnist", "clients": 10, "partition": {"kind": "dirichlet", "alpha": 0.5}}
+    first = {"config": validate({**base, "methods": {"fedmho": {}, "fedmho_sd": {}}}), "minutes": 4.0,
              "results": {"fedmho": {"accuracy": 96.0}}}  # fedmho_sd unfinished: no result
     (tmp_path / "summary.json").write_text(json.dumps(first))
-    new_cfg = {**base, "methods": {"dense": {}}}
+    new_cfg = validate({**base, "methods": {"dense": {}}})  # prior_results takes a validated config
     prior = prior_results(tmp_path, new_cfg)
     assert set(prior["results"]) == {"fedmho"} and set(prior["config"]["methods"]) == {"fedmho"}
     assert (tmp_path / "summary-prior.json").is_file()  # survives an interrupted run
@@ -376,7 +376,7 @@ def test_reproduce_merge_keeps_earlier_methods_of_a_cell(tmp_path) -> None:
     assert merged["results"] == {"fedmho": {"accuracy": 96.0}, "dense": {"accuracy": 91.0}}
     assert set(merged["config"]["methods"]) == {"fedmho", "dense"} and merged["prior_minutes"] == 4.0
     assert not (tmp_path / "summary-prior.json").exists()
-    other = prior_results(tmp_path, {**base, "seed": 1, "methods": {"dense": {}}})  # another cell: nothing
+    other = prior_results(tmp_path, validate({**base, "seed": 1, "methods": {"dense": {}}}))  # another cell: nothing
     assert other["results"] == {}
 
 
