@@ -416,3 +416,26 @@ def test_report_adds_a_row_for_fedcvae_kd_only_when_a_cell_ran_it(tmp_path) -> N
     (cell / "summary.json").write_text(json.dumps(summary))
     row = next(x for x in paper.report(tmp_path, "reduced").splitlines() if x.startswith("| FedCVAE-KD"))
     assert row == "| FedCVAE-KD | not run | - | not run | - | 80.00 (81.00) | - |"  # no paper number for KD
+
+
+def test_report_states_the_papers_ordering_over_seed_means(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce import fedmho as paper
+
+    finals = [{"fedavg": 95.0, "feddf": 80.0, "dense": 90.0, "coboosting": 85.0, "fedcvae_ens": 82.0,
+               "fedmho_md": 96.0, "fedmho_sd": 93.0},
+              {"fedavg": 93.0, "feddf": 80.0, "dense": 90.0, "coboosting": 85.0, "fedcvae_ens": 82.0,
+               "fedmho_md": 96.0, "fedmho_sd": 95.0}]
+    for seed, accs in enumerate(finals):
+        cfg = paper.cell_config("mnist", "0.5", seed, "reduced")
+        (tmp_path / cfg["name"]).mkdir()
+        results = {m: {"accuracy": a, "best_accuracy": a} for m, a in accs.items()}
+        (tmp_path / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    line = next(x for x in paper.report(tmp_path, "reduced").splitlines() if x.startswith("Paper's ordering"))
+    # means over the two seeds: FedAvg 94.0 is the best baseline; MD 96.0 above it and above the
+    # paper's 95.71; SD 94.0 ties FedAvg, which is not above it, and is under the paper's 95.67
+    assert "Dir(0.5), n=2" in line and "best baseline FedAvg 94.00" in line
+    assert "FedMHO-MD 96.00 (above the best baseline; matches the paper's 95.71)" in line
+    assert "FedMHO-SD 94.00 (below the best baseline; under the paper's 95.67)" in line
+    assert "Dir(0.3)" not in line  # settings without runs are left out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,37 @@ def _minutes(cells: list[dict[str, Any]]) -> str:
             f"{stats([cell_minutes(s) for s in timed])} over {len(timed)} cell(s){note}.")
 
 
+BASELINES = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens")
+
+
+def _paper_mean(value: str) -> float:
+    return float(value.split("±")[0])
+
+
+def _ordering(cells: list[dict[str, Any]], dataset: str) -> str:
+    """Per setting, over the seeds that ran every method: do FedMHO-MD and -SD (mean final accuracy)
+    beat every baseline (the paper's ordering), and do they match the paper's mean?"""
+    verdicts = []
+    for i, setting in enumerate(SETTINGS):
+        runs = [s for s in cells if _alpha(s["config"]) == setting
+                and all(m in s["results"] for m in ("fedmho_md", "fedmho_sd", *BASELINES))]
+        if not runs:
+            continue
+        mean = {m: statistics.fmean(s["results"][m]["accuracy"] for s in runs)
+                for m in ("fedmho_md", "fedmho_sd", *BASELINES)}
+        best = max(BASELINES, key=mean.__getitem__)
+        parts = []
+        for m in ("fedmho_md", "fedmho_sd"):
+            above = "above" if mean[m] > mean[best] else "below"
+            paper = _paper_mean(PAPER[dataset][m][i])
+            parts.append(f"{LABELS[m]} {mean[m]:.2f} ({above} the best baseline; "
+                         f"{'matches' if mean[m] >= paper else 'under'} the paper's {paper:.2f})")
+        verdicts.append(f"Dir({setting}), n={len(runs)}: " + ", ".join(parts)
+                        + f"; best baseline {LABELS[best]} {mean[best]:.2f}")
+    return ("Paper's ordering (FedMHO-MD/SD above every baseline, mean final %): "
+            + ("; ".join(verdicts) if verdicts else "no cell with every method yet") + ".")
+
+
 def report(root: Path, budget: str, stem: str = "fedmho") -> str:
     cells = _cells(root, budget)
     lines = [f"## Budget `{budget}`: {json.dumps(BUDGETS[budget])}", ""]
@@ -181,7 +213,8 @@ def report(root: Path, budget: str, stem: str = "fedmho") -> str:
         if main:
             extra = tuple(m for m in LABELS if m not in METHODS and any(m in s["results"] for s in main))
             lines += [f"### Table 4, {dataset.upper()}: ours = final % (best over epochs %), paper = Table 4", "",
-                      *_table(main, METHODS + extra, PAPER[dataset]), "", _minutes(main), ""]
+                      *_table(main, METHODS + extra, PAPER[dataset]), "", _minutes(main), "",
+                      _ordering(main, dataset), ""]
         nofilter = [s for s in mine if _variant(s["config"]) == "nofilter"]
         if nofilter:
             lines += [f"### Table 6, {dataset.upper()}: without the K-means filter (4,800 unfiltered samples)", "",
