@@ -116,3 +116,20 @@ def test_cell_minutes_include_the_earlier_runs_of_the_cell(tmp_path):
     path.write_text(json.dumps({**summary, "minutes": 3.0, "prior_minutes": 9.0}))  # a method added later
     text = paper.report(tmp_path, "reduced")
     assert "Minutes per cell (all methods, incl. local training): 12.00 over 1 cells." in text
+
+
+def test_failure_note_names_left_out_clients_per_cell():
+    from hetfl.reproduce.common import failure_note
+
+    ok = {"config": {"name": "c-s0"}, "results": {"fedavg": {"accuracy": 90.0, "client_failures": []}}}
+    assert failure_note([ok]) == ""
+    bad = {"config": {"name": "c-s1"}, "results": {
+        "fedmho": {"client_failures": [{"round": 0, "client": 5,
+                                        "reason": "upload rejected: tensor 'net.0.bias' has NaN or inf values"}]},
+        "fedmho_md": {"client_failures": [{"round": 0, "client": 5,
+                                           "reason": "upload rejected: tensor 'net.2.weight' has NaN or inf values"}]},
+        "fedavg": {}}}
+    note = failure_note([ok, bad])
+    # one entry per (cell, client, failure): the tensor names differ, the failure is the same
+    assert note == ("Client failures (these methods ran without that client): c-s1: client 5 left out by "
+                    "fedmho, fedmho_md (upload rejected: NaN or inf values).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +51,22 @@ def write_results(path: Path, header: str, bodies: list[str], notes: Path | None
         parts.append(notes.read_text())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(parts) + "\n")
+
+
+def failure_note(cells: list[dict[str, Any]]) -> str:
+    """One line naming every client a method had to leave out (a failed or rejected upload), per
+    cell, so that a table mean built on fewer clients is visible; empty when no client failed."""
+    found: dict[tuple[str, int, str], list[str]] = {}
+    for s in cells:
+        for method, r in s["results"].items():
+            for f in r.get("client_failures", []):
+                reason = re.sub(r"tensor '[^']+' has ", "", f["reason"])  # same failure, other tensor names
+                found.setdefault((s["config"]["name"], f["client"], reason), []).append(method)
+    if not found:
+        return ""
+    parts = [f"{name}: client {client} left out by {', '.join(methods)} ({reason})"
+             for (name, client, reason), methods in sorted(found.items())]
+    return "Client failures (these methods ran without that client): " + "; ".join(parts) + "."
 
 
 def cell_minutes(summary: dict[str, Any]) -> float:

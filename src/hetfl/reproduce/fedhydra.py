@@ -119,7 +119,8 @@ def report(root: Path, budget: str) -> str:
         if minutes:
             lines += ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
                       f"{len(minutes)} cells."]
-        lines += ["", _ordering(main), ""]
+        failures = common.failure_note(main)
+        lines += ["", _ordering(main), "", *([failures, ""] if failures else [])]
     abl = [s for s in cells if "-l" in s["config"]["name"]]
     if abl:
         lines += ["### Table 6 ablation (FedHydra, α = 0.5): best % | paper", "",

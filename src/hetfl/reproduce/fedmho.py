@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import cell_minutes, cell_summaries, run_cell, stats
+from hetfl.reproduce.common import cell_minutes, cell_summaries, failure_note, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 LABELS = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE", "coboosting": "Co-Boosting",
@@ -211,10 +211,11 @@ def report(root: Path, budget: str, stem: str = "fedmho") -> str:
         mine = [s for s in cells if s["config"]["dataset"] == dataset]
         main = [s for s in mine if _variant(s["config"]) == "main"]
         if main:
+            failures = failure_note(main)
             extra = tuple(m for m in LABELS if m not in METHODS and any(m in s["results"] for s in main))
             lines += [f"### Table 4, {dataset.upper()}: ours = final % (best over epochs %), paper = Table 4", "",
                       *_table(main, METHODS + extra, PAPER[dataset]), "", _minutes(main), "",
-                      _ordering(main, dataset), ""]
+                      _ordering(main, dataset), "", *([failures, ""] if failures else [])]
         nofilter = [s for s in mine if _variant(s["config"]) == "nofilter"]
         if nofilter:
             lines += [f"### Table 6, {dataset.upper()}: without the K-means filter (4,800 unfiltered samples)", "",
