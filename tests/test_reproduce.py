@@ -133,3 +133,13 @@ def test_failure_note_names_left_out_clients_per_cell():
     # one entry per (cell, client, failure): the tensor names differ, the failure is the same
     assert note == ("Client failures (these methods ran without that client): c-s1: client 5 left out by "
                     "fedmho, fedmho_md (upload rejected: NaN or inf values).")
+
+
+def test_reproduce_methods_help_lists_every_method_of_both_papers():
+    from hetfl.cli import build_parser
+    from hetfl.reproduce import fedmho
+
+    rep = build_parser()._subparsers._group_actions[0].choices["reproduce"]
+    text = next(a.help for a in rep._actions if "--methods" in a.option_strings)
+    listed = set(text.replace(";", ",").replace(")", ",").replace(":", ",").replace(" ", ",").split(","))
+    assert set(paper.METHODS + paper.EXTRA) <= listed and set(fedmho.LABELS) <= listed

@@ -259,11 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--settings", default=None,
                      help="Dirichlet alphas and/or 2c/c (default fedhydra: 0.5,0.3,0.1,0.01,2c/c; fedmho: 0.5,0.3,0.1)")
     rep.add_argument("--seeds", default="0,1,2")
+    from hetfl.reproduce import fedhydra as hydra_paper  # both are torch-free: the help stays in sync
+    from hetfl.reproduce import fedmho as mho_paper
+
+    hydra = ",".join(hydra_paper.METHODS + hydra_paper.EXTRA)
+    extra_mho = ",".join(m for m in mho_paper.LABELS if m not in mho_paper.METHODS)
     rep.add_argument("--methods", default=None,
-                     help="comma-separated subset (default: all; fedhydra: fedavg,ot,feddf,dense,coboosting,"
-                          "fedhydra,fedhydra_log1p,fedhydra_replay; fedmho: fedavg,feddf,dense,coboosting,"
-                          "fedcvae_ens,fedmho,fedmho_md,fedmho_sd, plus fedcvae_kd,fedmho_md_klmean,"
-                          "fedmho_sd_klmean on request)")
+                     help=f"comma-separated subset (default fedhydra: {hydra}; fedmho: {','.join(mho_paper.METHODS)};"
+                          f" on request: {extra_mho})")
     rep.add_argument("--clients", default="5", help="client counts, e.g. 5,10,20,50,100 (Table 4/7 sweep)")
     rep.add_argument("--ablation", action="store_true",
                      help="also Table 6 (fedhydra: lambda_1, lambda_2 at alpha 0.5; fedmho: no filter) and "

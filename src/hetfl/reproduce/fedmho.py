@@ -25,6 +25,7 @@ from hetfl.reproduce import common
 from hetfl.reproduce.common import cell_minutes, cell_summaries, failure_note, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
+BASELINES = tuple(m for m in METHODS if not m.startswith("fedmho"))  # what the paper ranks MD/SD against
 LABELS = {"fedavg": "FedAvg", "feddf": "FedDF", "dense": "DENSE", "coboosting": "Co-Boosting",
           "fedcvae_ens": "FedCVAE(-Ens)", "fedcvae_kd": "FedCVAE-KD", "fedmho": "FedMHO",
           "fedmho_md": "FedMHO-MD", "fedmho_sd": "FedMHO-SD",
@@ -171,9 +172,6 @@ def _minutes(cells: list[dict[str, Any]]) -> str:
     note = f"; {cached} of them with every client upload from the cache (server stages only)" if cached else ""
     return (f"Minutes per cell (all methods, incl. local training unless cached): "
             f"{stats([cell_minutes(s) for s in timed])} over {len(timed)} cell(s){note}.")
-
-
-BASELINES = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens")
 
 
 def _paper_mean(value: str) -> float:
