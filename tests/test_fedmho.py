@@ -14,6 +14,7 @@ from hetfl.fl.aggregate import weighted_average
 from hetfl.fl.client import ClientEnv, handle
 from hetfl.fl.generative import (
     CVAETrain,
+    FusionConfig,
     allocate_by_share,
     allocate_per_class,
     generate,
@@ -22,6 +23,7 @@ from hetfl.fl.generative import (
     kmeans_filter,
     largest_remainder,
     train_cvae_model,
+    train_on_synthetic,
 )
 from hetfl.fl.method import ServerContext, create_method
 from hetfl.fl.training import TrainConfig, evaluate
@@ -259,6 +261,31 @@ def test_kd_term_mean_is_torch_kldivloss_default():
     assert torch.allclose(kd_term(teacher, student, "batchmean"), expected * 10, atol=1e-5)
 
 
+@pytest.mark.parametrize("freeze_bn", [False, True])
+def test_freeze_bn_keeps_running_statistics_and_still_trains(freeze_bn):
+    from hetfl.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("cnn2", 1, 16, 4)
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns  # cnn2 has BatchNorm: the test is about those layers
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.rand(96, 1, 16, 16) * 3 + 1, torch.randint(0, 4, (96,))  # statistics far from N(0, 1)
+    cfg = FusionConfig(epochs=2, batch_size=32, lr=1e-2, freeze_bn=freeze_bn)
+    train_on_synthetic(model, x, y, cfg, seed=0)
+    after = model.state_dict()
+    stats = [k for k in after if k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    weights = [k for k in after if k not in stats]
+    assert stats and all(torch.equal(before[k], after[k]) for k in stats) == freeze_bn
+    assert any(not torch.equal(before[k], after[k]) for k in weights)  # the weights move either way
+    assert all(m.training != freeze_bn for m in bns)
+
+
+def test_freeze_bn_must_be_a_bool():
+    with pytest.raises(ValueError, match="freeze_bn must be true or false"):
+        FusionConfig(freeze_bn="yes")
+
+
 def test_klmean_variants_differ_from_md_sd_only_in_the_kd_reduction(four_clients):
     for base in ("fedmho_md", "fedmho_sd"):
         plain, _, _, _ = run_server(base, four_clients, {})
@@ -290,6 +317,7 @@ def test_unknown_method_key_fails_in_config(tiny_config):
     ("fedmho", {"generative_clients": [0, 1, 2]}, "needs at least one classification client"),
     ("fedmho_sd", {"cvae": "cvae_huge"}, "unknown cvae"),
     ("fedmho_md", {"lam": 2.0}, "lambda"),
+    ("fedmho_sd", {"freeze_bn": "yes"}, "freeze_bn"),
     ("fedmho", {"init": "average"}, "init: average needs"),
     ("fedcvae_kd", {"z_range": -1}, "z_range"),
     ("fedcvae_ens", {"cvae_lr": 0}, "cvae lr"),

@@ -217,6 +217,7 @@ class FusionConfig:
     lam: float = 1.0  # weight of CE; 1 - lam weighs the KD term (Eq. 8)
     kl_reduction: str = "batchmean"  # batchmean: KL per sample; mean: torch KLDivLoss() default (/ C too)
     eval_every: int = 1
+    freeze_bn: bool = False  # keep BatchNorm layers in eval mode: running statistics and normalisation fixed
 
     def __post_init__(self) -> None:
         check_loop(self.epochs, self.batch_size, self.lr)
@@ -226,6 +227,19 @@ class FusionConfig:
             raise ValueError(f"kl_reduction must be batchmean or mean, got {self.kl_reduction!r}")
         if not isinstance(self.eval_every, int) or self.eval_every < 1:
             raise ValueError(f"eval_every must be a positive integer, got {self.eval_every!r}")
+        if not isinstance(self.freeze_bn, bool):
+            raise ValueError(f"freeze_bn must be true or false, got {self.freeze_bn!r}")
+
+
+def train_mode(model: nn.Module, freeze_bn: bool) -> None:
+    """``model.train()``; with ``freeze_bn`` its BatchNorm layers stay in eval mode (they normalise
+    with, and do not update, the running statistics), so the layer is a fixed affine map, as in a
+    BatchNorm-free network."""
+    model.train()
+    if freeze_bn:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
 
 
 @torch.no_grad()
@@ -265,7 +279,7 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
     record(0, float("nan"), float("nan"))
     epochs = range(1, cfg.epochs + 1)
     for epoch in progress(epochs, desc=desc, unit="epoch") if progress else epochs:
-        model.train()
+        train_mode(model, cfg.freeze_bn)
         sums, count = torch.zeros(2), 0
         for idx in minibatches(len(x), cfg.batch_size, g):
             idx = idx.to(x.device)

@@ -34,6 +34,11 @@ Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
   the official code uses torch's ``KLDivLoss()`` default, which also divides by the number of
   classes, and weight 1 for both terms (``kl_reduction: mean`` reproduces that reduction). The
   teachers are fixed and there is no augmentation, so their logits are computed once.
+* ``freeze_bn`` (ours, default false): the paper's VGG-9 has no BatchNorm, so its server stage
+  cannot re-estimate normalisation statistics on the synthetic set; with a BatchNorm server model
+  (the reduced budget's cnn2) ``freeze_bn: true`` keeps those layers in eval mode during knowledge
+  fusion (fixed affine maps, the running statistics of ``w_0``), which is the closest a BN model
+  comes to the paper's setting. The KD teachers are always evaluated in eval mode.
 * Defaults per dataset (Table 3): server epochs 10 / 20 / 20 / 30 and Adam lr 1e-5 / 5e-4 / 5e-5
   / 5e-5 for MNIST / Fashion / SVHN / EMNIST (others: 20 and 1e-4, the code's CIFAR-10 values);
   CVAE Adam lr 5e-2 / 5e-2 / 1e-3 / 3e-3 and 30 / 40 / 40 / 50 local epochs (others 1e-3, 30);
@@ -107,7 +112,8 @@ class GenerativeMethod(OneShotMethod):
         p = self.params
         return FusionConfig(epochs=p["epochs"] if p["epochs"] is not None else epochs, batch_size=p["batch_size"],
                             lr=p["lr"] if p["lr"] is not None else lr, lam=lam,
-                            kl_reduction=p.get("kl_reduction", "batchmean"), eval_every=p["eval_every"])
+                            kl_reduction=p.get("kl_reduction", "batchmean"), eval_every=p["eval_every"],
+                            freeze_bn=p.get("freeze_bn", False))
 
     def generative_ids(self, ctx: ServerContext) -> list[int]:
         raise NotImplementedError
@@ -174,7 +180,7 @@ class FedMHO(GenerativeMethod):
     kd: ClassVar[str] = "none"  # none | md | sd
     defaults: dict[str, Any] = {
         **GENERATIVE_DEFAULTS, "generative_clients": "half", "r_th": 0.8, "filter": True, "lam": 0.5,
-        "kl_reduction": "batchmean", "init": "auto", "init_weights": "uniform", "init_epochs": None,
+        "kl_reduction": "batchmean", "freeze_bn": False, "init": "auto", "init_weights": "uniform", "init_epochs": None,
         "init_lr": 1e-3,
     }
 
