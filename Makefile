@@ -24,7 +24,7 @@ lint: install
 	$(BIN)/ruff check src tests
 
 test: data lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 clean:
 	rm -rf runs cache .pytest_cache

@@ -45,6 +45,23 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
     assert (tmp_path / "out.md").read_text().startswith("# FedHydra reproduction")
 
 
+def test_epoch_curves_dedupe_resumed_epochs_and_plot_one_figure_per_dataset(tmp_path):
+    base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
+    cfg = fake_summary(tmp_path, "mnist", "0.1", 0, base)
+    rows = [{"method": "fedavg", "step": -1, "final": True, "accuracy": 40.0}]
+    rows += [{"method": "dense", "step": e, "accuracy": 10.0 * e} for e in (1, 2, 3)]
+    rows += [{"method": "dense", "step": 3, "accuracy": 33.0}]  # a resumed stage logs its last epoch again
+    rows += [{"method": "fedhydra", "step": e, "accuracy": 5.0 + e} for e in (2, 1)]
+    (tmp_path / cfg["name"] / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    summary = json.loads((tmp_path / cfg["name"] / "summary.json").read_text())
+    assert paper.epoch_curves(tmp_path, summary) == {"dense": [10.0, 20.0, 33.0], "fedhydra": [6.0, 7.0]}
+    written = paper.plot_curves(tmp_path, tmp_path / "out.md", "reduced")
+    assert [p.name for p in written] == ["out-curves-mnist-reduced.png"] and written[0].stat().st_size > 0
+    paper.write_results(tmp_path, tmp_path / "out.md")
+    assert "![out-curves-mnist-reduced](out-curves-mnist-reduced.png)" in (tmp_path / "out.md").read_text()
+    assert paper.plot_curves(tmp_path, tmp_path / "out.md", "paper") == []  # no cell at that budget
+
+
 def test_finished_cells_are_skipped(tmp_path):
     methods = paper.cell_config("fmnist", "0.5", 0, "reduced")["methods"]
     cfg = fake_summary(tmp_path, "fmnist", "0.5", 0, dict.fromkeys(methods, 70.0))

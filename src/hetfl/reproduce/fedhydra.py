@@ -173,8 +173,75 @@ quoted after the bar.
 """
 
 
+CURVE_METHODS = ("dense", "coboosting", "fedhydra", *EXTRA)  # the generator family: one point per server epoch
+
+
+def epoch_curves(root: Path, summary: dict[str, Any]) -> dict[str, list[float]]:
+    """Per-epoch test accuracy of the generator-family methods of one cell, read from the cell's
+    ``metrics.jsonl`` (a resumed stage logs some epochs twice: the last value of a step wins)."""
+    from hetfl.report import read_curves
+
+    curves = read_curves(root / summary["config"]["name"] / "metrics.jsonl")
+    return {m: [acc for _, acc in sorted(dict(curves[m]).items())] for m in CURVE_METHODS if len(curves.get(m, [])) > 1}
+
+
+def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
+    """One figure per dataset, one panel per setting: the mean over seeds of each generator-family
+    method's accuracy per server epoch, the band spanning the seeds' minimum to maximum, and the
+    average-logit ensemble (the teacher DENSE distils) as a dashed line. Written next to ``path`` as
+    ``<stem>-curves-<dataset>-<budget>.png``; a dataset with no logged curves writes nothing."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cells = [s for s in _cell_summaries(root) if s["config"]["name"].endswith(f"-{budget}")
+             and s["config"]["clients"] == 5 and "-l" not in s["config"]["name"]]
+    written = []
+    for dataset in DATASETS:
+        panels = {}
+        for setting in SETTINGS:
+            mine = [s for s in cells if s["config"]["dataset"] == dataset and _setting_of(s["config"]) == setting]
+            per_seed = [epoch_curves(root, s) for s in mine]
+            lines = {m: [c[m] for c in per_seed if m in c] for m in CURVE_METHODS}
+            teacher = [s["results"]["ensemble"]["accuracy"] for s in mine if "ensemble" in s["results"]]
+            if any(lines.values()):
+                panels[setting] = ({m: v for m, v in lines.items() if v}, teacher, len(mine))
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True, squeeze=False)
+        for ax, (setting, (lines, teacher, n)) in zip(axes[0], panels.items()):
+            for i, (m, runs) in enumerate(lines.items()):
+                length = min(len(r) for r in runs)
+                acc = np.array([r[:length] for r in runs])
+                epochs = np.arange(1, length + 1)
+                ax.plot(epochs, acc.mean(0), color=f"C{i}", label=LABELS[m], lw=1.4)
+                ax.fill_between(epochs, acc.min(0), acc.max(0), color=f"C{i}", alpha=0.15, lw=0)
+            if teacher:
+                ax.axhline(float(np.mean(teacher)), color="gray", ls="--", lw=1, label=LABELS["ensemble"])
+            ax.set_title(f"{'2c/c' if setting == '2c/c' else f'α = {setting}'} (n = {n})", fontsize=9)
+            ax.set_xlabel("server epoch")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("test accuracy (%)")
+        handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+        fig.suptitle(f"{dataset.upper()}, budget {budget}: mean over seeds, band = min to max", fontsize=9)
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        out = path.with_name(f"{path.stem}-curves-{dataset}-{budget}.png")
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
-    common.write_results(path, HEADER, [report(root, budget) for budget in BUDGETS], notes)
+    bodies = []
+    for budget in BUDGETS:
+        body = report(root, budget)
+        figures = plot_curves(root, path, budget)
+        if figures:
+            body += "\n\n### Accuracy per server epoch (generator family)\n\n" + "\n\n".join(
+                f"![{f.stem}]({f.name})" for f in figures)
+        bodies.append(body)
+    common.write_results(path, HEADER, bodies, notes)
 
 
 def grid(datasets: list[str], settings: list[str], seeds: list[int], budget: str, methods: tuple[str, ...],
