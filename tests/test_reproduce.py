@@ -39,8 +39,8 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
     assert "61.00 ± 1.41 (60.00 ± 1.41) n=2 | 59.97" in fedhydra_row  # ours beside Table 1
     assert "30.00 (29.00) n=1 | 40.81" in fedhydra_row  # Table 2
     assert "not run" in fedhydra_row
-    assert "0.1: FedHydra first (61.00 vs best baseline 40.00)" in text
-    assert "2c/c: FedHydra below Co-Boosting" in text
+    assert "0.1 (n=2): FedHydra first (61.00 vs best baseline 40.00)" in text
+    assert "2c/c (n=1): FedHydra below Co-Boosting" in text
     paper.write_results(tmp_path, tmp_path / "out.md")
     assert (tmp_path / "out.md").read_text().startswith("# FedHydra reproduction")
 

@@ -149,7 +149,8 @@ def _ordering(cells: list[dict[str, Any]]) -> str:
         others = {m: v for m, v in mean.items() if m not in ("fedhydra", *EXTRA)}
         best_other = max(others, key=others.get) if others else None
         ok = best_other is None or mean["fedhydra"] > others[best_other]
-        verdict = (f"{setting}: {'FedHydra first' if ok else f'FedHydra below {LABELS[best_other]}'}"
+        verdict = (f"{setting} (n={len(runs)}): "
+                   f"{'FedHydra first' if ok else f'FedHydra below {LABELS[best_other]}'}"
                    f" ({mean['fedhydra']:.2f} vs best baseline {others.get(best_other, float('nan')):.2f})")
         for extra in EXTRA:
             if extra in mean:
