@@ -92,16 +92,25 @@ def _setting_of(cfg: dict[str, Any]) -> str:
     return "2c/c" if p["kind"] == "2c/c" else f"{p['alpha']:g}"
 
 
+def _main_cells(cells: list[dict[str, Any]], dataset: str) -> list[dict[str, Any]]:
+    """The Table 1/2 cells of one dataset: 5 clients, paper lambdas (not the client sweep or Table 6)."""
+    return [s for s in cells if s["config"]["dataset"] == dataset and s["config"]["clients"] == 5
+            and "-l" not in s["config"]["name"]]
+
+
+def _label(setting: str) -> str:
+    return "2c/c" if setting == "2c/c" else f"α={setting}"
+
+
 def report(root: Path, budget: str) -> str:
     """Markdown: our mean ± sd over seeds (best over epochs, then final) beside the paper's."""
     cells = [s for s in _cell_summaries(root) if s["config"]["name"].endswith(f"-{budget}")]
     lines = [f"## Budget `{budget}`: {json.dumps(BUDGETS[budget])}", ""]
     for dataset in DATASETS:
-        main = [s for s in cells if s["config"]["dataset"] == dataset and s["config"]["clients"] == 5
-                and "-l" not in s["config"]["name"]]
+        main = _main_cells(cells, dataset)
         if not main:
             continue
-        names = [f"α={s}" if s != "2c/c" else "2c/c" for s in SETTINGS]
+        names = [_label(s) for s in SETTINGS]
         lines += [f"### {dataset.upper()} (5 clients, cnn2): ours = best-over-epochs % (final %), then the paper's", "",
                   "| method | " + " | ".join(f"{n} ours | {n} paper" for n in names) + " |",
                   "|---|" + "---|---|" * len(SETTINGS)]
@@ -194,23 +203,23 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    cells = [s for s in _cell_summaries(root) if s["config"]["name"].endswith(f"-{budget}")
-             and s["config"]["clients"] == 5 and "-l" not in s["config"]["name"]]
+    cells = [s for s in _cell_summaries(root) if s["config"]["name"].endswith(f"-{budget}")]
     written = []
     for dataset in DATASETS:
-        panels = {}
+        panels = {}  # setting -> (method -> one curve per seed, teacher accuracies, seeds)
         for setting in SETTINGS:
-            mine = [s for s in cells if s["config"]["dataset"] == dataset and _setting_of(s["config"]) == setting]
+            mine = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == setting]
             per_seed = [epoch_curves(root, s) for s in mine]
-            lines = {m: [c[m] for c in per_seed if m in c] for m in CURVE_METHODS}
-            teacher = [s["results"]["ensemble"]["accuracy"] for s in mine if "ensemble" in s["results"]]
-            if any(lines.values()):
-                panels[setting] = ({m: v for m, v in lines.items() if v}, teacher, len(mine))
+            curves = {m: [c[m] for c in per_seed if m in c] for m in CURVE_METHODS}
+            if any(curves.values()):
+                panels[setting] = ({m: v for m, v in curves.items() if v},
+                                   [s["results"]["ensemble"]["accuracy"] for s in mine if "ensemble" in s["results"]],
+                                   len(mine))
         if not panels:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True, squeeze=False)
-        for ax, (setting, (lines, teacher, n)) in zip(axes[0], panels.items()):
-            for i, (m, runs) in enumerate(lines.items()):
+        for ax, (setting, (curves, teacher, n)) in zip(axes[0], panels.items()):
+            for i, (m, runs) in enumerate(curves.items()):
                 length = min(len(r) for r in runs)
                 acc = np.array([r[:length] for r in runs])
                 epochs = np.arange(1, length + 1)
@@ -218,7 +227,7 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
                 ax.fill_between(epochs, acc.min(0), acc.max(0), color=f"C{i}", alpha=0.15, lw=0)
             if teacher:
                 ax.axhline(float(np.mean(teacher)), color="gray", ls="--", lw=1, label=LABELS["ensemble"])
-            ax.set_title(f"{'2c/c' if setting == '2c/c' else f'α = {setting}'} (n = {n})", fontsize=9)
+            ax.set_title(f"{_label(setting)} (n = {n})", fontsize=9)
             ax.set_xlabel("server epoch")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("test accuracy (%)")
