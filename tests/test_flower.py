@@ -82,6 +82,8 @@ class FakeGrid(Grid):
                                           node_config={"partition-id": i, "num-partitions": cfg["clients"]})
                          for i in range(cfg["clients"])}
         self.tamper = tamper
+        self.replies: dict[str, Message] = {}
+        self.pulls = 0
 
     def set_run(self, run_id: int) -> None: ...
 
@@ -99,10 +101,19 @@ class FakeGrid(Grid):
         return []
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError
+        """Runs each ClientApp at once; its reply waits for ``pull_messages``. Message ids are
+        assigned as the SuperLink does (the message's object id)."""
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            ids.append(msg.metadata.message_id)
+            for reply in self.send_and_receive([msg]):
+                self.replies[msg.metadata.message_id] = reply
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError
+        self.pulls += 1
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []
@@ -205,7 +216,10 @@ def test_error_reply_and_silence_are_missing_clients_and_rounds_skip_them(tmp_pa
             return None  # never answers
         return reply
 
-    summary = serve(config(methods={"fedavg": {"rounds": 2}}), tmp_path / "fl", tamper)
+    start = time.monotonic()
+    summary = serve(config(methods={"fedavg": {"rounds": 2}}, flower={"timeout": 1, "node_wait": 1}),
+                    tmp_path / "fl", tamper)
+    assert time.monotonic() - start >= 1  # the silent node is waited for, up to the timeout
     failures = summary["results"]["fedavg"]["client_failures"]
     assert [(f["round"], f["client"]) for f in failures] == [(1, 2), (2, 0)]
     assert "out of memory" in failures[0]["reason"] and "no reply" in failures[1]["reason"]
@@ -213,7 +227,19 @@ def test_error_reply_and_silence_are_missing_clients_and_rounds_skip_them(tmp_pa
 
 def test_too_few_uploads_fail_with_min_clients(tmp_path: Path, task_identity: None) -> None:
     with pytest.raises(RuntimeError, match="min_clients = 3"):
-        serve(config(min_clients=3), tmp_path / "fl", lambda nid, msg, reply: None if nid == 100 else reply)
+        serve(config(min_clients=3, flower={"timeout": 1, "node_wait": 1}), tmp_path / "fl",
+              lambda nid, msg, reply: None if nid == 100 else reply)
+
+
+def test_transport_pulls_until_every_reply_has_come(task_identity: None) -> None:
+    class SlowGrid(FakeGrid):  # replies show up only from the third pull on
+        def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+            self.pulls += 1
+            return [self.replies.pop(i) for i in message_ids if i in self.replies] if self.pulls >= 3 else []
+
+    grid = SlowGrid(config())
+    transport = fa.FlowerTransport(grid, 3, timeout=30, node_wait=1, poll=0.01)
+    assert transport.connect() == {0: 100, 1: 101, 2: 102} and grid.pulls == 3
 
 
 def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identity: None) -> None:
@@ -224,39 +250,39 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 
 
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
-@pytest.mark.parametrize("tls", [False, True], ids=["insecure", "tls"])
-def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path, tls: bool) -> None:
+def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path) -> None:
     """One-shot DENSE (client round + server stage) and 2 rounds of FedAvg with sampling."""
     cfg = config(methods={"dense": {"epochs": 2, "generator_steps": 2, "batch_size": 16},
                           "fedavg": {"rounds": 2, "sample_ratio": 0.67}})
     feds: list[LocalFederation] = []
-    summary = run_local(cfg, tmp_path / "fl", tls=tls, log=lambda line: None,
-                        on_started=lambda fed, rid: feds.append(fed))
+    summary = run_local(cfg, tmp_path / "fl", log=lambda line: None, on_started=lambda fed, rid: feds.append(fed))
     engine = summary["engine"]
-    assert engine["status"] == "finished:completed" and engine["missing_nodes"] == [] and engine["tls"] is tls
+    assert engine["status"] == "finished:completed" and engine["missing_nodes"] == [] and engine["tls"] is False
     assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
     assert feds[0].alive() == [] and not feds[0].home.exists()
 
 
-def test_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
+def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
+    """Everything over TLS, registered node keys; an intruder with an unregistered key is turned
+    away while the run completes and equals the simulator (one federation covers both)."""
     cfg = config()
-    fed = LocalFederation(3, auth=True)
-    try:
-        fed.start()
+    feds: list[LocalFederation] = []
+
+    def intrude(fed: LocalFederation, run_id: int) -> None:
+        feds.append(fed)
         intruder = fed.start_supernode(0, name="intruder", register=False,
                                        extra=["--max-retries", "1", "--max-wait-time", "10"])
-        run_id = fed.submit(cfg, tmp_path / "fl", "data")
-        assert fed.wait(run_id, timeout=300) == "finished:completed"
         assert intruder.wait(timeout=60) != 0
         assert "Failed to activate SuperNode" in fed.tail("intruder", 50)
         nodes = json.loads(fed.flwr("supernode", "list", "hetfl", "--format", "json").stdout)["nodes"]
         assert len(nodes) == 3
-    finally:
-        fed.stop()
-    assert fed.alive() == []
-    summary = json.loads((tmp_path / "fl" / "summary.json").read_text())
-    assert sorted(summary["engine"]["nodes"]) == ["0", "1", "2"]
+
+    summary = run_local(cfg, tmp_path / "fl", auth=True, log=lambda line: None, on_started=intrude)
+    engine = summary["engine"]
+    assert engine["status"] == "finished:completed" and engine["tls"] is True and engine["auth"] is True
+    assert sorted(engine["nodes"]) == ["0", "1", "2"]
     assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
+    assert feds[0].alive() == [] and not feds[0].home.exists()
 
 
 def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path: Path) -> None:

@@ -146,8 +146,10 @@ def client_task(msg: Message, context: Context) -> Message:
 class FlowerTransport:
     """Sends each exchange's messages to the SuperNodes holding the addressed partitions."""
 
-    def __init__(self, grid: Grid, num_clients: int, timeout: float, node_wait: float) -> None:
+    def __init__(self, grid: Grid, num_clients: int, timeout: float, node_wait: float,
+                 poll: float = 0.2) -> None:
         self.grid, self.num_clients, self.timeout, self.node_wait = grid, num_clients, timeout, node_wait
+        self.poll = poll
         self.nodes: dict[int, int] = {}  # client (partition) id -> node id
         self.exchanges = 0
 
@@ -158,7 +160,7 @@ class FlowerTransport:
             time.sleep(0.5)
         log.info("hetfl: %d SuperNode(s) connected (expected %d)", len(ids), self.num_clients)
         queries = [Message(RecordDict(), dst_node_id=nid, message_type=INFO) for nid in ids]
-        for reply in self.grid.send_and_receive(queries, timeout=self.timeout):
+        for reply in self.send_and_receive(queries):
             nid = reply.metadata.src_node_id
             if reply.has_error():
                 log.warning("hetfl: node %s refused the info query: %s", nid, reply.error.reason)
@@ -171,6 +173,22 @@ class FlowerTransport:
             self.nodes[pid] = nid
         return self.nodes
 
+    def send_and_receive(self, messages: list[Message]) -> list[Message]:
+        """Push ``messages``, then pull their replies every ``poll`` s until all have come or
+        ``timeout`` s have passed. Flower's own ``Grid.send_and_receive`` sleeps 3 s between
+        pulls, which adds 1.5 s on average to every exchange."""
+        pending = set(self.grid.push_messages(messages))
+        deadline = time.monotonic() + self.timeout
+        replies: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(sorted(pending)))
+            replies += got
+            pending -= {reply.metadata.reply_to_message_id for reply in got}
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll)
+        return replies
+
     def exchange(self, round_: int, messages: dict[int, Payload]) -> tuple[dict[int, Payload], dict[int, str]]:
         self.exchanges += 1
         failures = {cid: "no SuperNode holds this partition" for cid in messages if cid not in self.nodes}
@@ -180,7 +198,7 @@ class FlowerTransport:
         start = time.perf_counter()
         log.info("hetfl: round %d: sent %d message(s)", round_, len(out))
         uploads: dict[int, Payload] = {}
-        for reply in self.grid.send_and_receive(out, timeout=self.timeout):
+        for reply in self.send_and_receive(out):
             cid = by_node.get(reply.metadata.src_node_id)
             if cid is None:
                 continue

@@ -70,7 +70,9 @@ def flower_env(home: Path) -> dict[str, str]:
     """The environment of every Flower process we start: offline and isolated."""
     env = dict(os.environ)
     env.update(FLWR_HOME=str(home), FLWR_DISABLE_UPDATE_CHECK="1", FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", PYTHONUNBUFFERED="1")
+               FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", PYTHONUNBUFFERED="1",
+               # SuperExec asks for new app processes to start every 1 s by default
+               FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.2")
     # the SuperLink and SuperNodes start flower-superexec / flwr-*app by name: use this venv's
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
@@ -340,9 +342,6 @@ class LocalFederation:
         except (ValueError, KeyError, IndexError, TypeError):
             return {}
 
-    def status(self, run_id: int) -> str:
-        return str(self.run_info(run_id).get("status", "unknown"))
-
     def stream(self, run_id: int) -> subprocess.Popen:
         """Forward the run's log (``flwr log --stream``) to ``self.log`` from a thread."""
         proc = subprocess.Popen([binary("flwr"), "log", str(run_id), CONNECTION, "--stream"], env=self.env,
@@ -358,26 +357,30 @@ class LocalFederation:
         threading.Thread(target=pump, daemon=True).start()
         return proc
 
-    def wait(self, run_id: int, timeout: float, poll: float = 10.0) -> str:
-        """Wait until the run has finished; return its final status. The status is asked when
-        the log stream ends (it does when the run does) and every ``poll`` seconds besides
-        (each ``flwr list`` is a CLI start-up, so it is not asked in a tight loop)."""
+    def wait(self, run_id: int, timeout: float, poll: float = 30.0, settle: float = 3.0) -> dict[str, Any]:
+        """Wait until the run has finished; return its final ``run_info`` (``["status"]`` is the
+        status). Each ``flwr list`` is a CLI start-up (about 2 s of CPU), which competes with the
+        ClientApps for the cores, so while the log stream runs the status is asked only every
+        ``poll`` s (a fallback: the stream ends when the run does); once it has ended, or when there
+        is no stream, every ``settle`` s."""
         deadline = time.monotonic() + timeout
-        status, next_poll = "unknown", time.monotonic() + poll
         stream = self.procs.get("log")
+        interval = poll if stream is not None else settle
+        info: dict[str, Any] = {}
+        next_poll = time.monotonic() + interval
         while time.monotonic() < deadline:
-            stream_ended = stream is not None and stream.poll() is not None
-            if stream_ended or time.monotonic() >= next_poll:
-                status = self.status(run_id)
-                if status.startswith("finished"):
-                    return status
-                next_poll = time.monotonic() + poll
-                if stream_ended:  # ended early (a dropped connection): poll from now on
-                    stream = None
+            if stream is not None and stream.poll() is not None:
+                stream, interval, next_poll = None, settle, time.monotonic()
+            if time.monotonic() >= next_poll:
+                info = self.run_info(run_id)
+                if str(info.get("status", "")).startswith("finished"):
+                    return info
+                next_poll = time.monotonic() + interval
             if self.procs["superlink"].poll() is not None:
                 raise FlowerError(f"the SuperLink died:\n{self.tail('superlink')}")
             time.sleep(0.1)
-        raise FlowerError(f"run {run_id} did not finish in {timeout:g} s (last status {status!r})")
+        last = info.get("status", "unknown")
+        raise FlowerError(f"run {run_id} did not finish in {timeout:g} s (last status {last!r})")
 
 
 def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, tls: bool = False,
@@ -404,12 +407,12 @@ def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, 
         fed.stream(run_id)
         if on_started is not None:
             on_started(fed, run_id)
-        status = fed.wait(run_id, timeout)
+        info = fed.wait(run_id, timeout)
+        status = str(info["status"])
         summary_path = out_dir / "summary.json"
         if status != "finished:completed" or not summary_path.is_file():
             raise FlowerError(f"run {run_id} ended with status {status!r}; SuperLink log:\n{fed.tail('superlink')}")
         summary = json.loads(summary_path.read_text())
-        info = fed.run_info(run_id)
         summary.setdefault("engine", {}).update(run_id=run_id, status=status, tls=fed.tls, auth=fed.auth,
                                                 network_traffic=info.get("network-traffic"),
                                                 compute_time=info.get("compute-time"))
