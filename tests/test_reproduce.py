@@ -45,6 +45,24 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
     assert (tmp_path / "out.md").read_text().startswith("# FedHydra reproduction")
 
 
+def test_ablation_table_takes_the_paper_row_from_the_main_cell_of_the_same_seeds(tmp_path):
+    base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
+    fake_summary(tmp_path, "mnist", "0.5", 0, {**base, "fedhydra": 70.0})
+    fake_summary(tmp_path, "mnist", "0.5", 1, {**base, "fedhydra": 10.0})  # no ablation at seed 1
+    for lambdas, acc in [((0.0, 1.0), 50.0), ((1.0, 0.0), 60.0)]:
+        cfg = paper.cell_config("mnist", "0.5", 0, "reduced", ("fedhydra",), 5, lambdas)
+        (tmp_path / cfg["name"]).mkdir()
+        (tmp_path / cfg["name"] / "summary.json").write_text(json.dumps(
+            {"config": cfg, "results": {"fedhydra": {"accuracy": acc - 5, "best_accuracy": acc}}}))
+    lines = paper.report(tmp_path, "reduced").splitlines()
+    rows = {prefix: next(line for line in lines if line.startswith(prefix))
+            for prefix in ("| 1 | 1 |", "| 0 | 1 |", "| 1 | 0 |", "| 0.5 | 1 |")}
+    assert "70.00 (69.00) n=1 | 88.75" in rows["| 1 | 1 |"]
+    assert "50.00 (45.00) n=1 | 83.29" in rows["| 0 | 1 |"]
+    assert "60.00 (55.00) n=1 | 76.19" in rows["| 1 | 0 |"]
+    assert "not run | 84.61" in rows["| 0.5 | 1 |"] and "not run | 76.72" in rows["| 0.5 | 1 |"]
+
+
 def test_epoch_curves_dedupe_resumed_epochs_and_plot_one_figure_per_dataset(tmp_path):
     base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
     cfg = fake_summary(tmp_path, "mnist", "0.1", 0, base)
