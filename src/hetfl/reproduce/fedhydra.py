@@ -92,10 +92,22 @@ def _setting_of(cfg: dict[str, Any]) -> str:
     return "2c/c" if p["kind"] == "2c/c" else f"{p['alpha']:g}"
 
 
+def _is_ablation(cfg: dict[str, Any]) -> bool:
+    """A Table 6 cell: FedHydra with (lambda_1, lambda_2) set by :func:`cell_config`."""
+    return "lambda_bn" in cfg["methods"].get("fedhydra", {})
+
+
 def _main_cells(cells: list[dict[str, Any]], dataset: str) -> list[dict[str, Any]]:
     """The Table 1/2 cells of one dataset: 5 clients, paper lambdas (not the client sweep or Table 6)."""
     return [s for s in cells if s["config"]["dataset"] == dataset and s["config"]["clients"] == 5
-            and "-l" not in s["config"]["name"]]
+            and not _is_ablation(s["config"])]
+
+
+def _ours(runs: list[dict[str, Any]]) -> str:
+    """``best mean ± sd (final mean ± sd) n=N`` over the seeds' results, or ``not run``."""
+    if not runs:
+        return "not run"
+    return f"{_stats([r['best_accuracy'] for r in runs])} ({_stats([r['accuracy'] for r in runs])}) n={len(runs)}"
 
 
 def _label(setting: str) -> str:
@@ -119,10 +131,8 @@ def report(root: Path, budget: str) -> str:
             for i, setting in enumerate(SETTINGS):
                 runs = [s["results"][method] for s in main if _setting_of(s["config"]) == setting
                         and method in s["results"]]
-                ours = f"{_stats([r['best_accuracy'] for r in runs])} ({_stats([r['accuracy'] for r in runs])})"
                 paper = PAPER[dataset].get(method, [None] * 5)[i]
-                seeds = f" n={len(runs)}" if runs else ""
-                row.append(f"{ours if runs else 'not run'}{seeds} | {f'{paper:.2f}' if paper is not None else '-'}")
+                row.append(f"{_ours(runs)} | {f'{paper:.2f}' if paper is not None else '-'}")
             lines.append("| " + " | ".join(row) + " |")
         minutes = [cell_minutes(s) for s in main if s.get("minutes")]
         if minutes:
@@ -130,7 +140,7 @@ def report(root: Path, budget: str) -> str:
                       f"{len(minutes)} cells."]
         failures = common.failure_note(main)
         lines += ["", _ordering(main), "", *([failures, ""] if failures else [])]
-    if any("-l" in s["config"]["name"] for s in cells):
+    if any(_is_ablation(s["config"]) for s in cells):
         lines += _ablation_table(cells)
     return "\n".join(lines)
 
@@ -138,7 +148,7 @@ def report(root: Path, budget: str) -> str:
 def _ablation_runs(cells: list[dict[str, Any]], dataset: str, lambdas: tuple[float, float]) -> list[dict[str, Any]]:
     """FedHydra's results at alpha = 0.5 with (lambda_1, lambda_2); the paper's (1, 1) row is the
     main grid's alpha = 0.5 cell of each seed the ablation ran."""
-    abl = [s for s in cells if s["config"]["dataset"] == dataset and "-l" in s["config"]["name"]]
+    abl = [s for s in cells if s["config"]["dataset"] == dataset and _is_ablation(s["config"])]
     if lambdas == (1.0, 1.0):
         seeds = {s["config"]["seed"] for s in abl}
         pool = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == "0.5"
@@ -156,10 +166,7 @@ def _ablation_table(cells: list[dict[str, Any]]) -> list[str]:
     for i, lambdas in enumerate(ABLATION):
         cols = []
         for dataset in DATASETS:
-            runs = _ablation_runs(cells, dataset, lambdas)
-            ours = (f"{_stats([r['best_accuracy'] for r in runs])} ({_stats([r['accuracy'] for r in runs])})"
-                    f" n={len(runs)}" if runs else "not run")
-            cols.append(f"{ours} | {PAPER_ABLATION[dataset][i]:.2f}")
+            cols.append(f"{_ours(_ablation_runs(cells, dataset, lambdas))} | {PAPER_ABLATION[dataset][i]:.2f}")
         lines.append(f"| {lambdas[0]:g} | {lambdas[1]:g} | " + " | ".join(cols) + " |")
     return lines
 
