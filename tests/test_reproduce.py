@@ -45,6 +45,14 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
     assert (tmp_path / "out.md").read_text().startswith("# FedHydra reproduction")
 
 
+
+def test_ordering_names_the_baselines_it_could_not_compare(tmp_path):
+    fake_summary(tmp_path, "mnist", "0.1", 0, {"ensemble": 60.0, "fedavg": 50.0, "dense": 58.0, "fedhydra": 66.0},
+                 budget="paper")
+    text = paper.report(tmp_path, "paper")
+    assert ("0.1 (n=1): FedHydra first (66.00 vs best baseline 58.00); "
+            "not compared: OT, FedDF, Co-Boosting (not run in every cell)") in text
+
 def test_ablation_table_takes_the_paper_row_from_the_main_cell_of_the_same_seeds(tmp_path):
     base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
     fake_summary(tmp_path, "mnist", "0.5", 0, {**base, "fedhydra": 70.0})

@@ -28,7 +28,7 @@ def weighted_average(states: Sequence[dict[str, torch.Tensor]], weights: Sequenc
     out = {}
     for key in keys:
         stacked = torch.stack([s[key].to(torch.float64) for s in states])
-        mean = torch.tensordot(w, stacked, dims=1)
+        mean = torch.tensordot(w.to(stacked.device), stacked, dims=1)
         dtype = states[0][key].dtype
         out[key] = (mean.round() if not dtype.is_floating_point else mean).to(dtype)
     return out

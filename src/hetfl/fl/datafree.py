@@ -74,8 +74,9 @@ class BNStatsLoss:
 
     def per_model(self) -> torch.Tensor:
         """(m,) summed BN loss of each model for the last forward (0 for models without BN)."""
-        zero = torch.zeros(())
-        return torch.stack([torch.stack(v).sum() if v else zero for v in self.values])
+        sums = [torch.stack(v).sum() if v else None for v in self.values]
+        device = next((s.device for s in sums if s is not None), None)
+        return torch.stack([s if s is not None else torch.zeros((), device=device) for s in sums])
 
     def remove(self) -> None:
         for h in self.handles:

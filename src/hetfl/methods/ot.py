@@ -85,9 +85,9 @@ def fuse(states: list[dict[str, torch.Tensor]], layers: list[tuple[str, nn.Modul
                 rows_k = torch.cat([rows_k, b.double()[:, None]], dim=1)
                 rows_a = torch.cat([rows_a, states[anchor][f"{name}.bias"].double()[:, None]], dim=1)
             n = rows_k.shape[0]
-            cost = torch.cdist(rows_k, rows_a).pow(2).numpy()
+            cost = torch.cdist(rows_k, rows_a).pow(2).cpu().numpy()
             plan = pot.emd(np.full(n, 1.0 / n), np.full(n, 1.0 / n), cost)
-            T = torch.from_numpy(plan) * n  # columns sum to 1: anchor neuron j <- sum_i T[i, j] neuron i
+            T = torch.from_numpy(plan).to(W.device) * n  # columns sum to 1: anchor neuron j <- sum_i T[i, j] neuron i
             mapped = torch.einsum("ij,i...->j...", T, W)
             out[f"{name}.weight"] = mapped.to(state[f"{name}.weight"].dtype)
             if b is not None:

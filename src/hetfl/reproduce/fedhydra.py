@@ -189,6 +189,9 @@ def _ordering(cells: list[dict[str, Any]]) -> str:
         for extra in EXTRA:
             if extra in mean:
                 verdict += f", {LABELS[extra]} {mean[extra]:.2f}"
+        missing = [LABELS[m] for m in METHODS if m not in mean]
+        if missing:  # a verdict against part of the baselines must say which ones it lacks
+            verdict += f"; not compared: {', '.join(missing)} (not run in every cell)"
         verdicts.append(verdict)
     return "Ordering under strong heterogeneity: " + ("; ".join(verdicts) if verdicts else "no complete cells yet")
 
