@@ -112,6 +112,27 @@ def test_budgets_define_every_key(budget):
                                           "strat_batch_size", "feddf_steps"}
 
 
+
+@pytest.mark.parametrize("which", ["fedhydra", "fedmho"])
+def test_reproduce_device_flag_reaches_every_cell(tmp_path, monkeypatch, which):
+    from hetfl.cli import main
+    from hetfl.reproduce import common
+    from hetfl.reproduce import fedmho as mho
+
+    seen = []
+
+    def fake_run_cell(cfg, root, cache, data_root, runner):
+        seen.append(cfg["device"])
+        return {}
+
+    monkeypatch.setattr(paper, "run_cell", fake_run_cell)
+    monkeypatch.setattr(mho, "run_cell", fake_run_cell)
+    monkeypatch.setattr(common, "run_cell", fake_run_cell)
+    args = ["reproduce", which, "--datasets", "mnist", "--settings", "0.1", "--seeds", "0,1", "--device", "cuda:1",
+            "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "out.md"), "--quiet"]
+    assert main(args) == 0
+    assert seen == ["cuda:1", "cuda:1"]
+
 def test_adding_a_method_to_a_finished_cell_runs_only_that_method(tmp_path, monkeypatch):
     from hetfl.config import validate
     from hetfl.engine.simulator import Simulator

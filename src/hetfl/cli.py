@@ -177,6 +177,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     cells = paper.grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
                        [int(m) for m in csv(args.clients)], args.ablation)
     for cfg in cells:  # validate the whole grid before running anything
+        if args.device:
+            cfg["device"] = args.device
         validate(cfg)
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
@@ -273,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "fedmho's Table 8 (R_th sweep)")
     rep.add_argument("--curve", action="store_true", help="fedmho: also Fig. 6 (accuracy per server epoch)")
     rep.add_argument("--data-root", default=None)
+    rep.add_argument("--device", default=None,
+                     help="cpu, cuda, cuda:1 ... (default: auto = a GPU if torch sees one; uploads cached per device)")
     rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
     rep.add_argument("--out", default=None, help="runs folder (default runs/reproduce-<paper>)")
     rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")

@@ -302,6 +302,8 @@ def main(args: argparse.Namespace) -> int:
     cells = grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
                  args.ablation, getattr(args, "curve", False))
     for cfg in cells:  # validate the whole grid before running anything
+        if getattr(args, "device", None):
+            cfg["device"] = args.device
         validate(cfg)
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
