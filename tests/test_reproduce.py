@@ -41,6 +41,14 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
     assert "not run" in fedhydra_row
     assert "0.1 (n=2): FedHydra first (61.00 vs best baseline 40.00)" in text
     assert "2c/c (n=1): FedHydra below Co-Boosting" in text
+    # the final epoch is ranked as well: a collapse after a good epoch is not hidden
+    fake_summary(tmp_path, "fmnist", "0.1", 0, {**base, "fedhydra": 60.0})
+    summary = tmp_path / paper.cell_config("fmnist", "0.1", 0, "reduced")["name"] / "summary.json"
+    data = json.loads(summary.read_text())
+    data["results"]["fedhydra"]["accuracy"] = 10.0
+    summary.write_text(json.dumps(data))
+    assert ("0.1 (n=1): FedHydra first (60.00 vs best baseline 40.00); "
+            "final epoch: FedHydra below FedAvg (10.00 vs best baseline 39.00)") in paper.report(tmp_path, "reduced")
     paper.write_results(tmp_path, tmp_path / "out.md")
     assert (tmp_path / "out.md").read_text().startswith("# FedHydra reproduction")
 
@@ -51,6 +59,7 @@ def test_ordering_names_the_baselines_it_could_not_compare(tmp_path):
                  budget="paper")
     text = paper.report(tmp_path, "paper")
     assert ("0.1 (n=1): FedHydra first (66.00 vs best baseline 58.00); "
+            "final epoch: FedHydra first (65.00 vs best baseline 57.00); "
             "not compared: OT, FedDF, Co-Boosting (not run in every cell)") in text
 
 def test_ablation_table_takes_the_paper_row_from_the_main_cell_of_the_same_seeds(tmp_path):
