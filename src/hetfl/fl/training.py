@@ -87,7 +87,8 @@ def local_train(
                           weight_decay=cfg.weight_decay)
     mean_loss = float("nan")
     for epoch in range(cfg.epochs):
-        total, count = 0.0, 0
+        # the loss sum stays on the device: no host-device sync per step on a GPU, one per epoch
+        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
         for idx in minibatches(len(data), cfg.batch_size, generator):
             x, y = data.batch(idx, device)
             if cfg.channels_last:
@@ -99,9 +100,9 @@ def local_train(
             if cfg.grad_clip:
                 nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-            total += float(loss.detach()) * len(idx)
+            total += loss.detach().double() * len(idx)
             count += len(idx)
-        mean_loss = total / max(count, 1)
+        mean_loss = float(total) / max(count, 1)
         if progress is not None:
             progress(epoch + 1, mean_loss)
     return {"loss": mean_loss}
