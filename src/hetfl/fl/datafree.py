@@ -197,7 +197,7 @@ class DataFreeDistiller:
             self.gen_opt = self._generator_optimizer(z if self.recipe.optimize_z else None)
         self.generator.train()
         self.student.eval()
-        kept: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (x, client logits, loss)
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (x, client logits, loss)
         for _ in range(cfg.generator_steps):
             with autocast(dev, cfg.precision):
                 x = self.generator(z)
@@ -208,9 +208,9 @@ class DataFreeDistiller:
             self.gen_opt.zero_grad(set_to_none=True)
             loss.backward()
             self.gen_opt.step()
-            kept.append((x.detach(), logits.detach(), float(loss.detach())))
+            kept.append((x.detach(), logits.detach(), loss.detach()))  # no host-device sync per step
         if self.recipe.keep == "best":
-            kept = [min(kept, key=lambda item: item[2])]
+            kept = [kept[int(torch.stack([item[2] for item in kept]).argmin())]]
         # Images are kept as uint8 (as DENSE's PNG pool); the client logits are the ones computed in
         # the generator step on the unquantised images (at most 1/255 apart), not a second forward.
         # Each kept batch owns its labels: batches sharing one y tensor cannot be checkpointed
@@ -219,7 +219,7 @@ class DataFreeDistiller:
 
     def distill(self, batches: list[Batch]) -> float:
         self.student.train()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # summed on the device
         for batch in batches:
             x, P = self.recipe.kd_batch(self, batch)
             s = self.student(x)
@@ -227,8 +227,8 @@ class DataFreeDistiller:
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
-            total += float(loss.detach())
-        return total / max(len(batches), 1)
+            total += loss.detach().double()
+        return float(total) / max(len(batches), 1)
 
     def replay_batches(self, epoch: int) -> list[Batch]:
         pool = list(self.pool)
