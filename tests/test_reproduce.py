@@ -216,3 +216,53 @@ def test_reproduce_methods_help_lists_every_method_of_both_papers():
     text = next(a.help for a in rep._actions if "--methods" in a.option_strings)
     listed = set(text.replace(";", ",").replace(")", ",").replace(":", ",").replace(" ", ",").split(","))
     assert set(paper.METHODS + paper.EXTRA) <= listed and set(fedmho.LABELS) <= listed
+
+
+def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp_path, tiny_config):
+    """--jobs: clients first, then one worker process per method on the cached uploads; the merged
+    cell equals the in-process run on the same cache, and a second call finds nothing to do."""
+    from hetfl.reproduce.common import cell_minutes, run_cell, run_cells_parallel, run_missing_methods
+
+    gen = {"epochs": 2, "generator_steps": 2, "batch_size": 16}
+    methods = {"ensemble": {}, "fedavg": {}, "dense": gen, "fedhydra": {**gen, "strat_batch_size": 4}}
+    cfg = validate({**tiny_config, "device": "cpu", "methods": methods})
+    cache = tmp_path / "cache"
+    lines: list[str] = []
+    failed = run_cells_parallel([cfg], tmp_path / "par", cache, None, jobs=2, threads=2, say=lines.append)
+    assert failed == []
+    started = [line for line in lines if line.endswith("started")]
+    assert started == ["tiny: ensemble,fedavg started", "tiny: dense started", "tiny: fedhydra started"]
+    assert lines[1].startswith("tiny: ensemble,fedavg done")  # the clients' job ran alone, first
+    par = json.loads((tmp_path / "par" / "tiny" / "summary.json").read_text())
+    seq = run_cell(cfg, tmp_path / "seq", cache, None,
+                   lambda c, out, cache_, root: run_missing_methods(c, out, cache_, root, True))
+    assert set(par["results"]) == set(cfg["methods"]) == set(par["config"]["methods"])
+    for m in cfg["methods"]:
+        assert par["results"][m]["accuracy"] == seq["results"][m]["accuracy"], m
+        assert seq["results"][m]["cached_uploads"] == 3  # the same uploads, from the cache
+    assert par["results"]["dense"]["cached_uploads"] == par["results"]["fedhydra"]["cached_uploads"] == 3
+    assert (tmp_path / "par" / "tiny" / "fedhydra" / "stratification.json").is_file()
+    rows = [json.loads(r) for r in (tmp_path / "par" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == set(cfg["methods"])
+    assert not (tmp_path / "par" / ".parts" / "tiny" / "dense").exists()  # merged and removed
+    assert cell_minutes(par) > 0  # the workers' minutes add up
+    lines.clear()
+    assert run_cells_parallel([cfg], tmp_path / "par", cache, None, jobs=2, say=lines.append) == [] and lines == []
+
+
+def test_jobs_must_be_positive_and_are_for_fedhydra_only(capsys):
+    from hetfl.cli import main
+
+    assert main(["reproduce", "fedhydra", "--jobs", "0"]) == 2
+    assert main(["reproduce", "fedmho", "--jobs", "2"]) == 2
+    assert "fedhydra only" in capsys.readouterr().err
+
+
+def test_parallel_cells_report_a_failed_worker_with_its_log(tmp_path, tiny_config):
+    from hetfl.reproduce.common import run_cells_parallel
+
+    cfg = validate({**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "feddf": {"aux_dataset": "nosuch"}}})
+    failed = run_cells_parallel([cfg], tmp_path, tmp_path / "cache", None, jobs=2, threads=1, say=lambda _: None)
+    assert len(failed) == 1 and failed[0].startswith("tiny: feddf (") and failed[0].endswith("feddf.log)")
+    summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert set(summary["results"]) == {"ensemble"}  # what finished is kept

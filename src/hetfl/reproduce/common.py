@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +149,118 @@ def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data
     summary = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=quiet,
                         data_root=data_root).run()
     return merge_results(out, prior, summary)
+
+
+# ---- parallel cells: one process per method on the cached uploads ----------------------------------
+CHEAP = ("ensemble", "fedavg")  # methods that only need the client uploads: they train the clients first
+
+
+@dataclass
+class _Job:
+    cell: str
+    methods: list[str]
+    out: Path
+    log: Path
+    proc: subprocess.Popen | None = None
+    start: float = 0.0
+
+
+def _todo(cfg: dict[str, Any], out: Path) -> list[str]:
+    """Methods of ``cfg`` that ``out`` has not finished with the same parameters."""
+    prior = prior_results(out, cfg)
+    return [m for m, p in cfg["methods"].items()
+            if m not in prior["results"] or prior["config"]["methods"].get(m) != p]
+
+
+def _start(job: _Job, cfg: dict[str, Any], cache: Path | None, data_root: str | None, quiet: bool,
+           threads: int) -> None:
+    job.out.mkdir(parents=True, exist_ok=True)
+    spec = job.log.with_suffix(".json")
+    spec.write_text(json.dumps({"config": {**cfg, "methods": {m: cfg["methods"][m] for m in job.methods}},
+                                "out": str(job.out), "cache": str(cache) if cache else None,
+                                "data_root": data_root, "quiet": quiet, "threads": threads}))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    with open(job.log, "w") as log:
+        job.proc = subprocess.Popen([sys.executable, "-m", "hetfl.reproduce.worker", str(spec)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+    job.start = time.perf_counter()
+
+
+def _merge_part(cfg: dict[str, Any], cell_out: Path, part: _Job) -> None:
+    """Move a worker's method folder into the cell folder and join its summary to the cell's."""
+    summary = json.loads((part.out / "summary.json").read_text())
+    for m in part.methods:
+        if (cell_out / m).exists():
+            shutil.rmtree(cell_out / m)
+        shutil.move(str(part.out / m), str(cell_out / m))
+    merge_results(cell_out, prior_results(cell_out, cfg), summary)
+    shutil.rmtree(part.out)
+
+
+def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
+                       jobs: int, quiet: bool = True, threads: int | None = None,
+                       say: Callable[[str], None] = print) -> list[str]:
+    """Run every unfinished method of ``cells`` with up to ``jobs`` worker processes at once.
+
+    Per cell, one job first runs the methods that only need the uploads (ensemble, FedAvg; or the
+    first missing method), which trains the clients into the upload cache; then every other missing
+    method runs in a worker of its own on those cached uploads, into ``root/.parts/<cell>/<method>``,
+    and is moved into the cell folder when all of the cell's workers are done. This is what keeps a
+    GPU busy (one data-free method alone leaves it mostly idle between small kernels). Each worker
+    gets ``threads`` torch threads (default: the CPU count divided by ``jobs``). Returns the failed
+    jobs (``cell: methods (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the
+    same call resumes.
+    """
+    threads = threads or max(1, (os.cpu_count() or 1) // jobs)
+    by_name = {c["name"]: c for c in cells}
+    ready: list[_Job] = []
+    later: dict[str, list[_Job]] = {}
+    for cfg in cells:
+        out = root / cfg["name"]
+        todo = _todo(cfg, out)
+        if not todo:
+            continue
+        first = [m for m in todo if m in CHEAP] or todo[:1]
+        parts = root / ".parts" / cfg["name"]
+        parts.mkdir(parents=True, exist_ok=True)
+        ready.append(_Job(cfg["name"], first, out, parts / "clients.log"))
+        later[cfg["name"]] = [_Job(cfg["name"], [m], parts / m, parts / f"{m}.log") for m in todo if m not in first]
+    running: list[_Job] = []
+    waiting: dict[str, list[_Job]] = {}  # finished parts of a cell, merged when the cell's last one ends
+    failed: list[str] = []
+    try:
+        while ready or running:
+            while ready and len(running) < jobs:
+                job = ready.pop(0)
+                _start(job, by_name[job.cell], cache, data_root, quiet, threads)
+                running.append(job)
+                say(f"{job.cell}: {','.join(job.methods)} started")
+            time.sleep(0.2)
+            for job in [j for j in running if j.proc is not None and j.proc.poll() is not None]:
+                running.remove(job)
+                minutes = (time.perf_counter() - job.start) / 60
+                ok = job.proc.returncode == 0
+                say(f"{job.cell}: {','.join(job.methods)} {'done' if ok else 'FAILED'} ({minutes:.1f} min)")
+                if not ok:
+                    failed.append(f"{job.cell}: {','.join(job.methods)} ({job.log})")
+                if job.out == root / job.cell:  # the clients' job: now the other methods may start
+                    nxt = later.pop(job.cell, []) if ok else []
+                    later.pop(job.cell, None)
+                    ready.extend(nxt)
+                    waiting[job.cell] = []
+                    pending = len(nxt)
+                else:
+                    waiting[job.cell].append(job if ok else None)  # type: ignore[arg-type]
+                    pending = sum(1 for j in running + ready if j.cell == job.cell)
+                if pending == 0:
+                    for part in [p for p in waiting.pop(job.cell) if p is not None]:
+                        _merge_part(by_name[job.cell], root / job.cell, part)
+    except KeyboardInterrupt:
+        for job in running:
+            if job.proc is not None and job.proc.poll() is None:
+                job.proc.send_signal(signal.SIGINT)
+        for job in running:
+            if job.proc is not None:
+                job.proc.wait(timeout=120)
+        raise
+    return failed
