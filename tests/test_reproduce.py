@@ -266,3 +266,23 @@ def test_parallel_cells_report_a_failed_worker_with_its_log(tmp_path, tiny_confi
     assert len(failed) == 1 and failed[0].startswith("tiny: feddf (") and failed[0].endswith("feddf.log)")
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert set(summary["results"]) == {"ensemble"}  # what finished is kept
+
+
+def test_stopping_parallel_workers_sends_one_sigint_and_waits_for_their_checkpoints(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from hetfl.reproduce.common import _Job, _stop
+
+    flag = tmp_path / "saved"
+    code = ("import time, pathlib\n"
+            "try:\n    time.sleep(60)\n"
+            f"except KeyboardInterrupt:\n    time.sleep(0.3); pathlib.Path({str(flag)!r}).write_text('ok')\n")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", f"import pathlib; pathlib.Path({str(ready)!r}).touch()\n" + code])
+    while not ready.exists():
+        time.sleep(0.01)
+    job = _Job("cell", ["dense"], tmp_path, tmp_path / "log", proc)
+    _stop([job], grace=0.1, timeout=30)
+    assert proc.returncode == 0 and flag.read_text() == "ok"  # it finished its "checkpoint" and exited

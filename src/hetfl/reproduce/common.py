@@ -256,11 +256,24 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
                     for part in [p for p in waiting.pop(job.cell) if p is not None]:
                         _merge_part(by_name[job.cell], root / job.cell, part)
     except KeyboardInterrupt:
-        for job in running:
-            if job.proc is not None and job.proc.poll() is None:
-                job.proc.send_signal(signal.SIGINT)
-        for job in running:
-            if job.proc is not None:
-                job.proc.wait(timeout=120)
+        _stop(running)
         raise
     return failed
+
+
+def _stop(running: list[_Job], grace: float = 2.0, timeout: float = 120.0) -> None:
+    """Stop the workers as Ctrl-C would: a terminal's Ctrl-C has reached them already (same process
+    group), so wait ``grace`` seconds before sending SIGINT to those still running (a second SIGINT
+    could cut a checkpoint short), then up to ``timeout`` for them to write their checkpoints."""
+    procs = [j.proc for j in running if j.proc is not None]
+    end = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
