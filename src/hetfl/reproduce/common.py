@@ -197,36 +197,40 @@ def _merge_part(cfg: dict[str, Any], cell_out: Path, part: _Job) -> None:
     shutil.rmtree(part.out)
 
 
+def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str, list[_Job]]]:
+    """Per unfinished cell: the clients' job (ready now) and one job per other missing method (later)."""
+    ready: list[_Job] = []
+    later: dict[str, list[_Job]] = {}
+    for cfg in cells:
+        todo = _todo(cfg, root / cfg["name"])
+        if not todo:
+            continue
+        first = [m for m in todo if m in CHEAP] or todo[:1]
+        parts = root / ".parts" / cfg["name"]
+        parts.mkdir(parents=True, exist_ok=True)
+        ready.append(_Job(cfg["name"], first, root / cfg["name"], parts / "clients.log"))
+        later[cfg["name"]] = [_Job(cfg["name"], [m], parts / m, parts / f"{m}.log") for m in todo if m not in first]
+    return ready, later
+
+
 def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
                        jobs: int, quiet: bool = True, threads: int | None = None,
                        say: Callable[[str], None] = print) -> list[str]:
     """Run every unfinished method of ``cells`` with up to ``jobs`` worker processes at once.
 
     Per cell, one job first runs the methods that only need the uploads (ensemble, FedAvg; or the
-    first missing method), which trains the clients into the upload cache; then every other missing
-    method runs in a worker of its own on those cached uploads, into ``root/.parts/<cell>/<method>``,
-    and is moved into the cell folder when all of the cell's workers are done. This is what keeps a
-    GPU busy (one data-free method alone leaves it mostly idle between small kernels). Each worker
-    gets ``threads`` torch threads (default: the CPU count divided by ``jobs``). Returns the failed
-    jobs (``cell: methods (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the
-    same call resumes.
+    first missing method) into the cell folder, which trains the clients into the upload cache; then
+    every other missing method runs in a worker of its own on those cached uploads, into
+    ``root/.parts/<cell>/<method>``, and is merged into the cell folder as soon as it is done (only
+    this process writes there). This is what keeps a GPU busy: one data-free method alone leaves it
+    mostly idle between small kernels. Each worker gets ``threads`` torch threads (default: the CPU
+    count divided by ``jobs``). Returns the failed jobs (``cell: methods (log)``); Ctrl-C stops the
+    workers, which keep their checkpoints, so the same call resumes.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // jobs)
     by_name = {c["name"]: c for c in cells}
-    ready: list[_Job] = []
-    later: dict[str, list[_Job]] = {}
-    for cfg in cells:
-        out = root / cfg["name"]
-        todo = _todo(cfg, out)
-        if not todo:
-            continue
-        first = [m for m in todo if m in CHEAP] or todo[:1]
-        parts = root / ".parts" / cfg["name"]
-        parts.mkdir(parents=True, exist_ok=True)
-        ready.append(_Job(cfg["name"], first, out, parts / "clients.log"))
-        later[cfg["name"]] = [_Job(cfg["name"], [m], parts / m, parts / f"{m}.log") for m in todo if m not in first]
+    ready, later = _plan(cells, root)
     running: list[_Job] = []
-    waiting: dict[str, list[_Job]] = {}  # finished parts of a cell, merged when the cell's last one ends
     failed: list[str] = []
     try:
         while ready or running:
@@ -238,23 +242,15 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
             time.sleep(0.2)
             for job in [j for j in running if j.proc is not None and j.proc.poll() is not None]:
                 running.remove(job)
-                minutes = (time.perf_counter() - job.start) / 60
-                ok = job.proc.returncode == 0
-                say(f"{job.cell}: {','.join(job.methods)} {'done' if ok else 'FAILED'} ({minutes:.1f} min)")
+                ok = job.proc is not None and job.proc.returncode == 0
+                say(f"{job.cell}: {','.join(job.methods)} {'done' if ok else 'FAILED'} "
+                    f"({(time.perf_counter() - job.start) / 60:.1f} min)")
                 if not ok:
                     failed.append(f"{job.cell}: {','.join(job.methods)} ({job.log})")
-                if job.out == root / job.cell:  # the clients' job: now the other methods may start
-                    nxt = later.pop(job.cell, []) if ok else []
-                    later.pop(job.cell, None)
-                    ready.extend(nxt)
-                    waiting[job.cell] = []
-                    pending = len(nxt)
-                else:
-                    waiting[job.cell].append(job if ok else None)  # type: ignore[arg-type]
-                    pending = sum(1 for j in running + ready if j.cell == job.cell)
-                if pending == 0:
-                    for part in [p for p in waiting.pop(job.cell) if p is not None]:
-                        _merge_part(by_name[job.cell], root / job.cell, part)
+                if job.out == root / job.cell:  # the clients' job: the other methods may start now
+                    ready.extend(later.pop(job.cell) if ok else [])
+                elif ok:
+                    _merge_part(by_name[job.cell], root / job.cell, job)
     except KeyboardInterrupt:
         _stop(running)
         raise
