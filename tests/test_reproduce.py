@@ -57,7 +57,10 @@ def test_report_means_paper_numbers_and_ordering(tmp_path):
 def test_ordering_names_the_baselines_it_could_not_compare(tmp_path):
     fake_summary(tmp_path, "mnist", "0.1", 0, {"ensemble": 60.0, "fedavg": 50.0, "dense": 58.0, "fedhydra": 66.0},
                  budget="paper")
+    summary = tmp_path / paper.cell_config("mnist", "0.1", 0, "paper")["name"] / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "environment": {"device": "cuda"}}))
     text = paper.report(tmp_path, "paper")
+    assert "Minutes per cell (all methods, incl. local training): 2.00 over 1 cells (device: cuda)." in text
     assert ("0.1 (n=1): FedHydra first (66.00 vs best baseline 58.00); "
             "final epoch: FedHydra first (65.00 vs best baseline 57.00); "
             "not compared: OT, FedDF, Co-Boosting (not run in every cell)") in text

@@ -136,8 +136,9 @@ def report(root: Path, budget: str) -> str:
             lines.append("| " + " | ".join(row) + " |")
         minutes = [cell_minutes(s) for s in main if s.get("minutes")]
         if minutes:
+            devices = sorted({s["environment"]["device"] for s in main if "device" in s.get("environment", {})})
             lines += ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
-                      f"{len(minutes)} cells."]
+                      f"{len(minutes)} cells" + (f" (device: {', '.join(devices)})." if devices else ".")]
         failures = common.failure_note(main)
         lines += ["", _ordering(main), "", *([failures, ""] if failures else [])]
     if any(_is_ablation(s["config"]) for s in cells):
