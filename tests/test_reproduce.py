@@ -228,10 +228,11 @@ def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp
 
     gen = {"epochs": 2, "generator_steps": 2, "batch_size": 16}
     methods = {"ensemble": {}, "fedavg": {}, "dense": gen, "fedhydra": {**gen, "strat_batch_size": 4}}
-    cfg = validate({**tiny_config, "device": "cpu", "methods": methods})
+    raw = {**tiny_config, "device": "cpu", "methods": methods}  # as the CLI's grid builds it
+    cfg = validate(raw)
     cache = tmp_path / "cache"
     lines: list[str] = []
-    failed = run_cells_parallel([cfg], tmp_path / "par", cache, None, jobs=2, threads=2, say=lines.append)
+    failed = run_cells_parallel([raw], tmp_path / "par", cache, None, jobs=2, threads=2, say=lines.append)
     assert failed == []
     started = [line for line in lines if line.endswith("started")]
     assert started == ["tiny: ensemble,fedavg started", "tiny: dense started", "tiny: fedhydra started"]
@@ -250,7 +251,7 @@ def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp
     assert not (tmp_path / "par" / ".parts" / "tiny" / "dense").exists()  # merged and removed
     assert cell_minutes(par) > 0  # the workers' minutes add up
     lines.clear()
-    assert run_cells_parallel([cfg], tmp_path / "par", cache, None, jobs=2, say=lines.append) == [] and lines == []
+    assert run_cells_parallel([raw], tmp_path / "par", cache, None, jobs=2, say=lines.append) == [] and lines == []
 
 
 def test_jobs_must_be_positive_and_are_for_fedhydra_only(capsys):

@@ -227,6 +227,9 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     count divided by ``jobs``). Returns the failed jobs (``cell: methods (log)``); Ctrl-C stops the
     workers, which keep their checkpoints, so the same call resumes.
     """
+    from hetfl.config import validate
+
+    cells = [validate(c) for c in cells]  # a finished method is recognised by its validated config
     threads = threads or max(1, (os.cpu_count() or 1) // jobs)
     by_name = {c["name"]: c for c in cells}
     ready, later = _plan(cells, root)
