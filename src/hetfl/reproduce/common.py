@@ -135,6 +135,12 @@ def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> 
     return merged
 
 
+def missing_methods(cfg: dict[str, Any], prior: dict[str, Any]) -> list[str]:
+    """Methods of ``cfg`` that ``prior`` (:func:`prior_results`) has not finished with the same parameters."""
+    return [m for m, p in cfg["methods"].items()
+            if m not in prior["results"] or prior["config"]["methods"].get(m) != p]
+
+
 def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data_root: str | None,
                         quiet: bool = False) -> dict[str, Any]:
     """Run the methods of ``cfg`` that ``out`` has not finished with the same parameters, and
@@ -142,8 +148,7 @@ def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data
     from hetfl.engine.simulator import Simulator, prepare
 
     prior = prior_results(out, cfg)
-    todo = {m: p for m, p in cfg["methods"].items()
-            if m not in prior["results"] or prior["config"]["methods"].get(m) != p}
+    todo = {m: cfg["methods"][m] for m in missing_methods(cfg, prior)}
     if not todo:
         return prior
     summary = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=quiet,
@@ -163,13 +168,6 @@ class _Job:
     log: Path
     proc: subprocess.Popen | None = None
     start: float = 0.0
-
-
-def _todo(cfg: dict[str, Any], out: Path) -> list[str]:
-    """Methods of ``cfg`` that ``out`` has not finished with the same parameters."""
-    prior = prior_results(out, cfg)
-    return [m for m, p in cfg["methods"].items()
-            if m not in prior["results"] or prior["config"]["methods"].get(m) != p]
 
 
 def _start(job: _Job, cfg: dict[str, Any], cache: Path | None, data_root: str | None, quiet: bool,
@@ -202,7 +200,7 @@ def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str
     ready: list[_Job] = []
     later: dict[str, list[_Job]] = {}
     for cfg in cells:
-        todo = _todo(cfg, root / cfg["name"])
+        todo = missing_methods(cfg, prior_results(root / cfg["name"], cfg))
         if not todo:
             continue
         first = [m for m in todo if m in CHEAP] or todo[:1]
