@@ -240,6 +240,24 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     assert again["results"]["fedhydra"]["best_accuracy"] == 99.0
 
 
+def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path):
+    """A stop between the blob's and the info file's writes must not restore epoch-4 weights as epoch 2."""
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"fedhydra": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
+                                   "checkpoint_every": 2}}
+    first = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    folder = tmp_path / "run" / "fedhydra"
+    assert not list(folder.glob("*.tmp"))  # written beside the target and renamed over it
+    info = json.loads((folder / "checkpoint.json").read_text())
+    assert info["epoch"] == 4
+    info["epoch"] = 2  # as if the blob of epoch 4 had landed and the info file had not
+    (folder / "checkpoint.json").write_text(json.dumps(info))
+    with pytest.warns(UserWarning, match="checkpoint files disagree"):
+        again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert "resumed_from_epoch" not in again["results"]["fedhydra"]  # started afresh
+    assert again["results"]["fedhydra"]["accuracy"] == pytest.approx(first["results"]["fedhydra"]["accuracy"])
+
+
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
     from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra, FedHydraLog1p
 

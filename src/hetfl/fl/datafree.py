@@ -15,6 +15,7 @@ checkpoint after every ``checkpoint_every`` epochs so an interrupted server stag
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import warnings
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -258,9 +260,14 @@ class DataFreeDistiller:
                 tensors[f"gen_opt.{i}.{name}"] = torch.as_tensor(value)
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         blob, info = self._ckpt_paths()
-        save_file(tensors, str(blob))
-        info.write_text(json.dumps({"epoch": epoch, "config": config_key, "history": self.history,
-                                    "pool": len(self.pool), "timing": self.timing}))
+        # Atomic: each file is written beside its target and renamed over it, and the blob carries its
+        # epoch, so a stop between (or during) the two writes leaves a pair that load_checkpoint rejects.
+        save_file(tensors, str(blob) + ".tmp", metadata={"epoch": str(epoch), "config": config_key})
+        os.replace(str(blob) + ".tmp", blob)
+        text = json.dumps({"epoch": epoch, "config": config_key, "history": self.history,
+                           "pool": len(self.pool), "timing": self.timing})
+        Path(str(info) + ".tmp").write_text(text)
+        os.replace(str(info) + ".tmp", info)
 
     def load_checkpoint(self, config_key: str) -> int:
         """Restore the last checkpoint of the same config; return the next epoch to run."""
@@ -269,6 +276,12 @@ class DataFreeDistiller:
             return 1
         info = json.loads(info_path.read_text())
         if info.get("config") != config_key:
+            return 1
+        with safe_open(str(blob), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("epoch") != str(info["epoch"]) or meta.get("config") != config_key:
+            warnings.warn(f"{blob}: checkpoint files disagree (blob epoch {meta.get('epoch')}, info epoch "
+                          f"{info['epoch']}); starting the server stage afresh", stacklevel=2)
             return 1
         t = load_file(str(blob), device=str(self.ctx.device))
         pick = lambda prefix: {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}  # noqa: E731
