@@ -3,6 +3,7 @@
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -256,6 +257,33 @@ def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path
         again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     assert "resumed_from_epoch" not in again["results"]["fedhydra"]  # started afresh
     assert again["results"]["fedhydra"]["accuracy"] == pytest.approx(first["results"]["fedhydra"]["accuracy"])
+
+
+def test_fedhydra_dense_runs_fedhydra_in_denses_loop(tmp_path):
+    """The authors'-code variant: G and z reset every epoch, one (best) batch kept per epoch, the
+    whole pool distilled every epoch, the adversarial KL masked to disagreement."""
+    from hetfl.methods.fedhydra import FedHydra, FedHydraDenseLoop
+
+    p = FedHydraDenseLoop({}).params
+    assert (p["reset_generator"], p["optimize_z"], p["adv_mask"], p["keep"], p["pool_size"], p["replay"]) == (
+        True, True, "disagree", "best", -1, -1)
+    for key, bad, message in [("keep", "last", "keep must be 'all' or 'best'"),
+                              ("optimize_z", 1, "optimize_z must be true or false")]:
+        with pytest.raises(ValueError, match=message):
+            FedHydra({key: bad}).check(None)
+    with pytest.raises(ValueError, match="optimize_z needs reset_generator"):
+        FedHydra({"optimize_z": True}).check(None)
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"fedhydra_dense": {"epochs": 3, "generator_steps": 3, "batch_size": 16, "strat_batch_size": 4,
+                                         "checkpoint_every": 1}}
+    out = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    r = out["results"]["fedhydra_dense"]
+    assert 0.0 <= r["accuracy"] <= 100.0 and np.isfinite(r["best_accuracy"])
+    info = json.loads((tmp_path / "run" / "fedhydra_dense" / "checkpoint.json").read_text())
+    assert info["pool"] == 3  # one kept batch per epoch (keep: best), never dropped
+    rows = [json.loads(x) for x in (tmp_path / "run" / "fedhydra_dense" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if x["step"] > 0] == [1, 2, 3]
+    assert (tmp_path / "run" / "fedhydra_dense" / "stratification.json").is_file()
 
 
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():

@@ -16,7 +16,7 @@ def test_every_cell_of_the_grid_is_a_valid_config_with_a_unique_name():
     c = paper.cell_config("mnist", "2c/c", 1, "paper")
     assert c["partition"] == {"kind": "2c/c"} and c["client"]["epochs"] == 200
     assert c["methods"]["fedhydra"]["epochs"] == 200 and c["methods"]["fedhydra"]["generator_steps"] == 30
-    assert list(c["methods"]) == ["ensemble", *paper.METHODS, "fedhydra_log1p", "fedhydra_replay"]
+    assert list(c["methods"]) == ["ensemble", *paper.METHODS, "fedhydra_log1p", "fedhydra_replay", "fedhydra_dense"]
 
 
 def fake_summary(root, dataset, setting, seed, accs, budget="reduced"):

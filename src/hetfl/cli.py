@@ -171,10 +171,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         print(f"wrote {results}")
         return 0
     methods = tuple(csv(args.methods)) if args.methods else paper.METHODS
-    unknown = sorted(set(methods) - set(paper.METHODS))
+    unknown = sorted(set(methods) - set(paper.METHODS) - set(paper.EXTRA))
     if unknown or args.budget not in paper.BUDGETS:
         raise ConfigError(f"unknown methods {unknown} or budget {args.budget!r}; "
-                          f"methods: {paper.METHODS}, budgets: {list(paper.BUDGETS)}")
+                          f"methods: {paper.METHODS + paper.EXTRA}, budgets: {list(paper.BUDGETS)}")
     settings = csv(args.settings)
     bad = sorted(set(settings) - set(paper.SETTINGS))
     if bad:

@@ -185,9 +185,11 @@ class FedHydraRecipe(Recipe):
     optimize_z = False
 
     def __init__(self, U_r: torch.Tensor, U_c: torch.Tensor, beta: float, aggregation: str = "stratified",
-                 reset_generator: bool = False, adv_mask: str = "none") -> None:
+                 reset_generator: bool = False, adv_mask: str = "none", keep: str = "all",
+                 optimize_z: bool = False) -> None:
         self.U_r, self.U_c, self.beta = U_r, U_c, beta
         self.aggregation, self.reset_generator, self.adv_mask = aggregation, reset_generator, adv_mask
+        self.keep, self.optimize_z = keep, optimize_z
 
     def aggregate(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.aggregation == "mean":  # ablation: DENSE's average ensemble with FedHydra's losses
@@ -212,7 +214,8 @@ class FedHydra(DataFreeMethod):
     name = "fedhydra"
     method_defaults: dict[str, Any] = {"lr": 0.01, "beta": 1.0, "strat_batch_size": 64, "temperature": 1.0,
                                        "u_transform": "none", "aggregation": "stratified",
-                                       "reset_generator": False, "column_scale": "sum", "adv_mask": "none"}
+                                       "reset_generator": False, "column_scale": "sum", "adv_mask": "none",
+                                       "keep": "all", "optimize_z": False}
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
@@ -227,9 +230,13 @@ class FedHydra(DataFreeMethod):
                              f"got {self.params['column_scale']!r}")
         if self.params["adv_mask"] not in ADV_MASKS:
             raise ValueError(f"fedhydra: adv_mask must be one of {list(ADV_MASKS)}, got {self.params['adv_mask']!r}")
-        if not isinstance(self.params["reset_generator"], bool):
-            raise ValueError("fedhydra: reset_generator must be true or false, "
-                             f"got {self.params['reset_generator']!r}")
+        for key in ("reset_generator", "optimize_z"):
+            if not isinstance(self.params[key], bool):
+                raise ValueError(f"fedhydra: {key} must be true or false, got {self.params[key]!r}")
+        if self.params["keep"] not in ("all", "best"):
+            raise ValueError(f"fedhydra: keep must be 'all' or 'best', got {self.params['keep']!r}")
+        if self.params["optimize_z"] and not self.params["reset_generator"]:
+            raise ValueError("fedhydra: optimize_z needs reset_generator: true (z is re-drawn with the generator)")
 
     def recipe(self, teachers: list[nn.Module], ctx: ServerContext) -> Recipe:
         cfg = self.config
@@ -250,7 +257,7 @@ class FedHydra(DataFreeMethod):
         scale = ctx.num_classes if self.params["column_scale"] == "mean" else 1  # columns average 1
         return FedHydraRecipe(U_r.float().to(ctx.device), scale * U_c.float().to(ctx.device),
                               float(self.params["beta"]), self.params["aggregation"], self.params["reset_generator"],
-                              self.params["adv_mask"])
+                              self.params["adv_mask"], self.params["keep"], self.params["optimize_z"])
 
     def after(self, engine: DataFreeDistiller, ctx: ServerContext) -> None:
         if engine.last_batch is not None:
@@ -322,3 +329,27 @@ class FedHydraReplay(FedHydra):
     name = "fedhydra_replay"
     method_defaults: dict[str, Any] = {**FedHydra.method_defaults, "lambda_adv": 0.0, "pool_size": -1,
                                        "replay": 10}
+
+
+@register("fedhydra_dense")
+class FedHydraDenseLoop(FedHydra):
+    """FedHydra's stratification, stratified aggregation and losses (Eq. 2-19) inside DENSE's
+    loop, as the FedHydra authors' public code snapshot runs them (our variant, not the paper's
+    text): each epoch the generator is re-initialised and trained with its noise z for T_G steps
+    (``reset_generator``, ``optimize_z``); Eq. 15's KL counts only the samples on which the
+    student's arg max differs from P's (``adv_mask: disagree``, DENSE's mask); only the
+    lowest-loss batch of the epoch is kept (``keep: best``); and the global model is distilled on
+    the whole pool every epoch (``pool_size: -1, replay: -1``). Facts read from the snapshot
+    (github.com/Jun-B0518/ICDE2025-FL-SA, helpers/synthesizers.py and fed-main.py; no code taken):
+    ``SASynthesizer.synthesize`` resets the generator with ``reset_model`` every epoch, optimises z
+    with Adam (betas 0.5/0.999), masks the adversarial KL to disagreement and adds the best batch
+    to an image pool that ``sa_kd_train`` replays in full each epoch. Choices kept from the paper
+    where the snapshot differs: beta = 1 in Eq. 19 (the snapshot's ``kl_alpha1`` defaults to 0),
+    KL averaged per sample (the snapshot's ``reduction='mean'`` also divides by c), no
+    augmentation in stratification (the snapshot crops and flips there), temperature 1. The
+    snapshot's stratified-aggregation forward is unfinished (it returns one sample's product), so
+    Eq. 8-11 follow the paper. Registered under its own name so it runs beside ``fedhydra``."""
+
+    name = "fedhydra_dense"
+    method_defaults: dict[str, Any] = {**FedHydra.method_defaults, "reset_generator": True, "optimize_z": True,
+                                       "adv_mask": "disagree", "keep": "best", "pool_size": -1, "replay": -1}

@@ -17,10 +17,12 @@ from hetfl.reproduce.common import cell_minutes, cell_summaries, run_cell  # noq
 from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
-EXTRA = ("fedhydra_log1p", "fedhydra_replay")  # our variants, reported beside the paper's methods (no paper number)
+# Our variants, reported beside the paper's methods (no paper number).
+EXTRA = ("fedhydra_log1p", "fedhydra_replay", "fedhydra_dense")
 LABELS = {"fedavg": "FedAvg", "ot": "OT", "feddf": "FedDF", "dense": "DENSE", "coboosting": "Co-Boosting",
           "fedhydra": "FedHydra", "ensemble": "ensemble (teacher)", "fedhydra_log1p": "FedHydra, log1p(U) (ours)",
-          "fedhydra_replay": "FedHydra, no L_AD + replay (ours)"}
+          "fedhydra_replay": "FedHydra, no L_AD + replay (ours)",
+          "fedhydra_dense": "FedHydra in DENSE's loop, as the authors' code (ours)"}
 SETTINGS = ("0.5", "0.3", "0.1", "0.01", "2c/c")
 DATASETS = ("mnist", "fmnist")
 
@@ -68,6 +70,7 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
         "fedhydra": {**gen, "strat_batch_size": b["strat_batch_size"]},
         "fedhydra_log1p": {**gen, "strat_batch_size": b["strat_batch_size"]},
         "fedhydra_replay": {**gen, "strat_batch_size": b["strat_batch_size"]},
+        "fedhydra_dense": {**gen, "strat_batch_size": b["strat_batch_size"]},
     }
     if lambdas is not None:
         per_method["fedhydra"].update(lambda_bn=lambdas[0], lambda_adv=lambdas[1])
