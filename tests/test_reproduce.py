@@ -223,8 +223,9 @@ def test_reproduce_methods_help_lists_every_method_of_both_papers():
 
 def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp_path, tiny_config):
     """--jobs: clients first, then one worker process per method on the cached uploads; the merged
-    cell equals the in-process run on the same cache, and a second call finds nothing to do."""
-    from hetfl.reproduce.common import cell_minutes, run_cell, run_cells_parallel, run_missing_methods
+    cell equals the in-process run on the same cache and is archived once its last method is merged,
+    and a second call finds nothing to do."""
+    from hetfl.reproduce.common import archive_cell, cell_minutes, run_cell, run_cells_parallel, run_missing_methods
 
     gen = {"epochs": 2, "generator_steps": 2, "batch_size": 16}
     methods = {"ensemble": {}, "fedavg": {}, "dense": gen, "fedhydra": {**gen, "strat_batch_size": 4}}
@@ -232,8 +233,15 @@ def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp
     cfg = validate(raw)
     cache = tmp_path / "cache"
     lines: list[str] = []
-    failed = run_cells_parallel([raw], tmp_path / "par", cache, None, jobs=2, threads=2, say=lines.append)
-    assert failed == []
+    archived: list[str] = []
+
+    def archive(name: str) -> None:
+        archived.append(name)
+        archive_cell(tmp_path / "par", name, tmp_path / "archive", paper.CURVE_METHODS)
+
+    failed = run_cells_parallel([raw], tmp_path / "par", cache, None, jobs=2, threads=2, say=lines.append,
+                                done=archive)
+    assert failed == [] and archived == ["tiny"]
     started = [line for line in lines if line.endswith("started")]
     assert started == ["tiny: ensemble,fedavg started", "tiny: dense started", "tiny: fedhydra started"]
     assert lines[1].startswith("tiny: ensemble,fedavg done")  # the clients' job ran alone, first
@@ -250,8 +258,13 @@ def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp
     assert {r["method"] for r in rows} == set(cfg["methods"])
     assert not (tmp_path / "par" / ".parts" / "tiny" / "dense").exists()  # merged and removed
     assert cell_minutes(par) > 0  # the workers' minutes add up
+    saved = json.loads((tmp_path / "archive" / "tiny.json").read_text())
+    assert {k: v for k, v in saved.items() if k != "curves"} == par  # after the last merge
+    assert set(saved["curves"]) == {"dense", "fedhydra"} and len(saved["curves"]["fedhydra"]) == 2
     lines.clear()
-    assert run_cells_parallel([raw], tmp_path / "par", cache, None, jobs=2, say=lines.append) == [] and lines == []
+    assert run_cells_parallel([raw], tmp_path / "par", cache, None, jobs=2, say=lines.append,
+                              done=archived.append) == [] and lines == []
+    assert archived == ["tiny", "tiny"]  # a cell finished before the call is archived as well
 
 
 def test_jobs_must_be_positive_and_are_for_fedhydra_only(capsys):
@@ -290,3 +303,138 @@ def test_stopping_parallel_workers_sends_one_sigint_and_waits_for_their_checkpoi
     job = _Job("cell", ["dense"], tmp_path, tmp_path / "log", proc)
     _stop([job], grace=0.1, timeout=30)
     assert proc.returncode == 0 and flag.read_text() == "ok"  # it finished its "checkpoint" and exited
+
+
+# ---- the archive: measured summaries kept in git beside the results file --------------------------
+def fake_metrics(cell):
+    """A metrics.jsonl logging three epochs of DENSE and FedHydra (FedHydra's last epoch twice, as a
+    resumed stage does) and FedAvg's final row."""
+    rows = [{"method": "fedavg", "step": -1, "final": True, "accuracy": 39.0}]
+    rows += [{"method": m, "step": e, "accuracy": base + e} for m, base in (("dense", 20.0), ("fedhydra", 30.0))
+             for e in (1, 2, 3)]
+    rows += [{"method": "fedhydra", "step": 3, "accuracy": 33.0}]
+    (cell / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def fake_cell_with_curves(root, dataset, setting, seed, fedhydra=60.0):
+    cfg = fake_summary(root, dataset, setting, seed, {**dict.fromkeys(("ensemble", *paper.METHODS), 40.0),
+                                                      "fedhydra": fedhydra})
+    fake_metrics(root / cfg["name"])
+    return cfg
+
+
+@pytest.mark.parametrize("which", ["fedhydra", "fedmho"])
+def test_cli_archives_every_finished_cell_beside_the_results_file(tmp_path, monkeypatch, which):
+    from hetfl.cli import main
+    from hetfl.reproduce import common
+    from hetfl.reproduce import fedmho as mho
+
+    def fake_run_cell(cfg, root, cache, data_root, runner):
+        (root / cfg["name"]).mkdir(parents=True)
+        summary = {"config": cfg, "results": {m: {"accuracy": 39.0, "best_accuracy": 40.0} for m in cfg["methods"]},
+                   "minutes": 2.0}
+        (root / cfg["name"] / "summary.json").write_text(json.dumps(summary, indent=1))
+        fake_metrics(root / cfg["name"])
+        return summary
+
+    for module in (paper, mho, common):
+        monkeypatch.setattr(module, "run_cell", fake_run_cell)
+    archive = tmp_path / "out-runs"
+    archive.mkdir()  # an earlier copy with a hand-written note
+    name = (paper if which == "fedhydra" else mho).cell_config("mnist", "0.1", 0, "reduced")["name"]
+    (archive / f"{name}.json").write_text(json.dumps({"config": {}, "note": "written by hand"}))
+    assert main(["reproduce", which, "--datasets", "mnist", "--settings", "0.1", "--seeds", "0",
+                 "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "out.md"), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+    saved = (archive / f"{name}.json").read_text()
+    if which == "fedhydra":  # the curves the report plots, one point per step, in step order
+        curves = {"dense": [[1, 21.0], [2, 22.0], [3, 23.0]], "fedhydra": [[1, 31.0], [2, 32.0], [3, 33.0]]}
+        assert saved == json.dumps({**summary, "note": "written by hand", "curves": curves}, indent=1)
+    else:  # FedMHO's Fig. 6 curve is part of the summary: nothing to add
+        assert saved == json.dumps({**summary, "note": "written by hand"}, indent=1)
+    assert not list(archive.glob("*.tmp"))
+
+
+def test_a_report_from_the_archive_alone_equals_the_report_from_the_runs(tmp_path):
+    import shutil
+
+    from hetfl.reproduce.common import archive_cell, archive_folder
+
+    runs, out = tmp_path / "runs", tmp_path / "docs" / "out.md"
+    for setting, seed in (("0.1", 0), ("0.1", 1), ("2c/c", 0)):
+        name = fake_cell_with_curves(runs, "mnist", setting, seed, 60.0 + seed)["name"]
+        archive_cell(runs, name, archive_folder(out), paper.CURVE_METHODS)
+    paper.write_results(runs, out)
+    from_runs = out.read_text()
+    figure = paper.figure_path(out, "mnist", "reduced")
+    assert f"]({figure.name})" in from_runs
+    shutil.rmtree(runs)
+    figure.unlink()
+    paper.write_results(runs, out)
+    assert out.read_text() == from_runs
+    assert figure.is_file()  # drawn again from the archived curves
+
+
+def test_the_runs_folder_wins_over_the_archive_for_the_same_cell(tmp_path):
+    import shutil
+
+    from hetfl.reproduce.common import archive_cell, archive_folder, cell_summaries
+
+    runs, archive = tmp_path / "runs", archive_folder(tmp_path / "out.md")
+    old = fake_cell_with_curves(runs, "mnist", "0.1", 0, fedhydra=50.0)["name"]
+    archive_cell(runs, old, archive, paper.CURVE_METHODS)
+    only_archived = fake_cell_with_curves(runs, "mnist", "0.1", 1, fedhydra=52.0)["name"]
+    archive_cell(runs, only_archived, archive, paper.CURVE_METHODS)
+    shutil.rmtree(runs / only_archived)
+    shutil.rmtree(runs / old)
+    fake_summary(runs, "mnist", "0.1", 0, {**dict.fromkeys(("ensemble", *paper.METHODS), 40.0), "fedhydra": 70.0})
+    (runs / old / "metrics.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "accuracy": 5.0}) + "\n"
+                                              + json.dumps({"method": "dense", "step": 2, "accuracy": 6.0}))
+    cells = {s["config"]["name"]: s for s in cell_summaries(runs, "fedhydra", archive)}
+    assert list(cells) == [old, only_archived]
+    assert cells[old]["results"]["fedhydra"]["best_accuracy"] == 70.0
+    assert paper.epoch_curves(runs, cells[old]) == {"dense": [5.0, 6.0]}  # its metrics.jsonl, not the archive's
+    assert paper.epoch_curves(runs, cells[only_archived]) == {"dense": [21.0, 22.0, 23.0],
+                                                              "fedhydra": [31.0, 32.0, 33.0]}
+    (runs / old / "metrics.jsonl").unlink()  # no metrics in the runs folder: the archived curves
+    cells = {s["config"]["name"]: s for s in cell_summaries(runs, "fedhydra", archive)}
+    assert paper.epoch_curves(runs, cells[old])["fedhydra"] == [31.0, 32.0, 33.0]
+    text = paper.report(runs, "reduced", archive)
+    assert "61.00 ± 12.73 (60.00 ± 12.73) n=2" in text  # 70 from the runs folder, 52 from the archive
+
+
+def test_a_budget_without_curves_keeps_an_existing_figure_and_its_link(tmp_path):
+    out = tmp_path / "out.md"
+    fake_summary(tmp_path / "runs", "mnist", "0.1", 0, dict.fromkeys(("ensemble", *paper.METHODS), 40.0))
+    kept = paper.figure_path(out, "mnist", "reduced")
+    kept.write_bytes(b"drawn from runs that are gone")
+    stray = paper.figure_path(out, "fmnist", "paper")  # a budget without cells has no section to link it in
+    stray.write_bytes(b"old")
+    assert paper.plot_curves(tmp_path / "runs", out, "reduced") == []
+    paper.write_results(tmp_path / "runs", out)
+    text = out.read_text()
+    assert kept.read_bytes() == b"drawn from runs that are gone"
+    assert f"![{kept.stem}]({kept.name})" in text and stray.name not in text
+
+
+def test_fedmho_report_and_fig6_from_the_archive_alone(tmp_path):
+    import shutil
+
+    from hetfl.reproduce import fedmho as mho
+    from hetfl.reproduce.common import archive_cell, archive_folder
+
+    runs, out = tmp_path / "runs", tmp_path / "fedmho.md"
+    cfg = mho.cell_config("mnist", "0.5", 0, "reduced", variant="curve")
+    (runs / cfg["name"]).mkdir(parents=True)
+    curves = {"fedmho": [95.0, 94.0, 96.0], "fedmho_md": [95.0, 93.0, 93.5], "fedmho_sd": [95.0, 92.5, 93.9]}
+    results = {m: {"accuracy": c[-1], "best_accuracy": max(c), "curve": c} for m, c in curves.items()}
+    (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    archive_cell(runs, cfg["name"], archive_folder(out))
+    mho.write_results(runs, out)
+    from_runs = out.read_text()
+    png = out.with_name(f"fedmho-fig6-{cfg['name']}.png")
+    shutil.rmtree(runs)
+    png.unlink()
+    mho.write_results(runs, out)
+    assert out.read_text() == from_runs and f"]({png.name})" in from_runs
+    assert png.is_file()  # the curve is in the archived summary

@@ -147,7 +147,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
     from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import run_cells_parallel, run_missing_methods
+    from hetfl.reproduce.common import archive_cell, archive_folder, run_cells_parallel, run_missing_methods
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
@@ -189,9 +189,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
         return run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
 
+    def archive(name: str) -> None:  # the measured summary (and curves) kept in git beside the results file
+        archive_cell(root, name, archive_folder(results), paper.CURVE_METHODS)
+
     if args.jobs > 1:
         failed = run_cells_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, quiet=True,
-                                    say=lambda line: print(line, flush=True))
+                                    say=lambda line: print(line, flush=True), done=archive)
         paper.write_results(root, results, notes)
         print(f"wrote {results}")
         if failed:
@@ -200,6 +203,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
         paper.run_cell(cfg, root, Path(args.cache_dir), args.data_root, runner)
+        archive(cfg["name"])
         paper.write_results(root, results, notes)
     print(f"wrote {results}")
     return 0

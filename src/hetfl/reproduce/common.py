@@ -34,9 +34,79 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path, data_root: str | None
     return summary
 
 
-def cell_summaries(root: Path, prefix: str) -> list[dict[str, Any]]:
-    """The finished cells ``root/<prefix>-*/summary.json``, sorted by name."""
-    return [json.loads(p.read_text()) for p in sorted(root.glob(f"{prefix}-*/summary.json"))]
+def cell_summaries(root: Path, prefix: str, archive: Path | None = None) -> list[dict[str, Any]]:
+    """The finished cells ``root/<prefix>-*/summary.json`` joined with the archived ones
+    ``archive/<prefix>-*.json`` (:func:`archive_cell`), sorted by name. A cell in both is the runs
+    folder's summary, carrying the archived ``curves`` (:func:`cell_curves` prefers its metrics.jsonl)."""
+    cells = {p.parent.name: json.loads(p.read_text()) for p in root.glob(f"{prefix}-*/summary.json")}
+    for p in sorted(archive.glob(f"{prefix}-*.json")) if archive is not None else ():
+        saved = json.loads(p.read_text())
+        if p.stem not in cells:
+            cells[p.stem] = saved
+        elif "curves" in saved:
+            cells[p.stem].setdefault("curves", saved["curves"])
+    return [cells[name] for name in sorted(cells)]
+
+
+def budget_cells(root: Path, prefix: str, budget: str, archive: Path | None = None) -> list[dict[str, Any]]:
+    """:func:`cell_summaries` of one budget (the cell names end in ``-<budget>``)."""
+    return [s for s in cell_summaries(root, prefix, archive) if s["config"]["name"].endswith(f"-{budget}")]
+
+
+# ---- the archive: measured cell summaries kept in git beside the results file -----------------------
+def archive_folder(results: Path) -> Path:
+    """Where the summaries behind a results file are archived: ``<stem>-runs/`` beside it (the runs
+    folder holds models and stays out of git; the archive lets ``--report-only`` work on a fresh clone)."""
+    return results.with_name(results.stem + "-runs")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """``json.dumps(data, indent=1)`` (the format of summary.json) into ``path`` via a temporary file and
+    ``os.replace``, so that a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def logged_curves(metrics: Path, methods: tuple[str, ...]) -> dict[str, list[list[float]]]:
+    """``{method: [[step, accuracy], ...]}`` in step order for the ``methods`` that logged an
+    evaluation in a cell's metrics.jsonl; a resumed stage logs some steps twice: the last value wins."""
+    from hetfl.report import read_curves
+
+    curves = read_curves(metrics)
+    return {m: [[step, acc] for step, acc in sorted(dict(curves[m]).items())] for m in methods if curves.get(m)}
+
+
+def cell_curves(root: Path, summary: dict[str, Any], methods: tuple[str, ...]) -> dict[str, list[list[float]]]:
+    """The ``methods``' curves of one cell (:func:`logged_curves`): from its metrics.jsonl in the runs
+    folder if there is one, else from the archived ``curves``, else none."""
+    metrics = root / summary["config"]["name"] / "metrics.jsonl"
+    if metrics.is_file():
+        return logged_curves(metrics, methods)
+    saved = summary.get("curves", {})
+    return {m: saved[m] for m in methods if m in saved}
+
+
+ARCHIVE_KEEPS = ("note",)  # hand-written keys of an archived summary that a new copy keeps
+
+
+def archive_cell(root: Path, name: str, archive: Path, curve_methods: tuple[str, ...] = ()) -> Path | None:
+    """Copy the cell's ``root/<name>/summary.json`` to ``archive/<name>.json`` (same keys and format),
+    with ``curves`` (:func:`logged_curves` of ``curve_methods``) when there are such methods and the cell
+    has a metrics.jsonl; a ``note`` written by hand into the archived copy is kept. None when the cell has
+    no summary yet."""
+    summary_file = root / name / "summary.json"
+    if not summary_file.is_file():
+        return None
+    summary = json.loads(summary_file.read_text())
+    out = archive / f"{name}.json"
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    kept = {k: old[k] for k in ARCHIVE_KEEPS if k in old and k not in summary}
+    metrics = root / name / "metrics.jsonl"
+    curves = {"curves": logged_curves(metrics, curve_methods)} if curve_methods and metrics.is_file() else {}
+    archive.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, {**summary, **kept, **curves})
+    return out
 
 
 def stats(values: list[float]) -> str:
@@ -211,9 +281,15 @@ def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str
     return ready, later
 
 
+def _pending(cell: str, ready: list[_Job], running: list[_Job], later: dict[str, list[_Job]]) -> bool:
+    """Whether a job of ``cell`` is still to start or running."""
+    return cell in later or any(j.cell == cell for j in (*ready, *running))
+
+
 def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
                        jobs: int, quiet: bool = True, threads: int | None = None,
-                       say: Callable[[str], None] = print) -> list[str]:
+                       say: Callable[[str], None] = print,
+                       done: Callable[[str], Any] | None = None) -> list[str]:
     """Run every unfinished method of ``cells`` with up to ``jobs`` worker processes at once.
 
     Per cell, one job first runs the methods that only need the uploads (ensemble, FedAvg; or the
@@ -222,8 +298,10 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     ``root/.parts/<cell>/<method>``, and is merged into the cell folder as soon as it is done (only
     this process writes there). This is what keeps a GPU busy: one data-free method alone leaves it
     mostly idle between small kernels. Each worker gets ``threads`` torch threads (default: the CPU
-    count divided by ``jobs``). Returns the failed jobs (``cell: methods (log)``); Ctrl-C stops the
-    workers, which keep their checkpoints, so the same call resumes.
+    count divided by ``jobs``). ``done(cell)`` is called once per cell when its last job has ended
+    and been merged (at once for a cell with nothing left to run), e.g. to archive it. Returns the
+    failed jobs (``cell: methods (log)``); Ctrl-C stops the workers, which keep their checkpoints, so
+    the same call resumes.
     """
     from hetfl.config import validate
 
@@ -233,6 +311,9 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     ready, later = _plan(cells, root)
     running: list[_Job] = []
     failed: list[str] = []
+    for name in by_name if done is not None else ():
+        if name not in later:  # finished before this call
+            done(name)
     try:
         while ready or running:
             while ready and len(running) < jobs:
@@ -249,9 +330,12 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
                 if not ok:
                     failed.append(f"{job.cell}: {','.join(job.methods)} ({job.log})")
                 if job.out == root / job.cell:  # the clients' job: the other methods may start now
-                    ready.extend(later.pop(job.cell) if ok else [])
+                    rest = later.pop(job.cell)
+                    ready.extend(rest if ok else [])
                 elif ok:
                     _merge_part(by_name[job.cell], root / job.cell, job)
+                if done is not None and not _pending(job.cell, ready, running, later):
+                    done(job.cell)
     except KeyboardInterrupt:
         _stop(running)
         raise

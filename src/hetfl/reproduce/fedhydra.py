@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import cell_minutes, cell_summaries, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
+from hetfl.reproduce.common import budget_cells, cell_minutes, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
 from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
@@ -86,8 +86,9 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
     }
 
 
-def _cell_summaries(root: Path) -> list[dict[str, Any]]:
-    return cell_summaries(root, "fedhydra")
+def _cells(root: Path, budget: str, archive: Path | None = None) -> list[dict[str, Any]]:
+    """The cells of one budget, from the runs folder and the archive (:func:`common.cell_summaries`)."""
+    return budget_cells(root, "fedhydra", budget, archive)
 
 
 def _setting_of(cfg: dict[str, Any]) -> str:
@@ -117,9 +118,10 @@ def _label(setting: str) -> str:
     return "2c/c" if setting == "2c/c" else f"α={setting}"
 
 
-def report(root: Path, budget: str) -> str:
-    """Markdown: our mean ± sd over seeds (best over epochs, then final) beside the paper's."""
-    cells = [s for s in _cell_summaries(root) if s["config"]["name"].endswith(f"-{budget}")]
+def report(root: Path, budget: str, archive: Path | None = None) -> str:
+    """Markdown: our mean ± sd over seeds (best over epochs, then final) beside the paper's, from the
+    cells in ``root`` and the ``archive`` folder."""
+    cells = _cells(root, budget, archive)
     lines = [f"## Budget `{budget}`: {json.dumps(BUDGETS[budget])}", ""]
     for dataset in DATASETS:
         main = _main_cells(cells, dataset)
@@ -230,23 +232,28 @@ CURVE_METHODS = ("dense", "coboosting", "fedhydra", *EXTRA)  # the generator fam
 
 
 def epoch_curves(root: Path, summary: dict[str, Any]) -> dict[str, list[float]]:
-    """Per-epoch test accuracy of the generator-family methods of one cell, read from the cell's
-    ``metrics.jsonl`` (a resumed stage logs some epochs twice: the last value of a step wins)."""
-    from hetfl.report import read_curves
+    """Per-epoch test accuracy of the generator-family methods of one cell, from the cell's
+    ``metrics.jsonl`` or else its archived curves (:func:`common.cell_curves`; a resumed stage logs
+    some epochs twice: the last value of a step wins)."""
+    curves = common.cell_curves(root, summary, CURVE_METHODS)
+    return {m: [acc for _, acc in points] for m, points in curves.items() if len(points) > 1}
 
-    curves = read_curves(root / summary["config"]["name"] / "metrics.jsonl")
-    return {m: [acc for _, acc in sorted(dict(curves[m]).items())] for m in CURVE_METHODS if len(curves.get(m, [])) > 1}
+
+def figure_path(path: Path, dataset: str, budget: str) -> Path:
+    """The per-epoch figure of one dataset and budget, next to the results file ``path``."""
+    return path.with_name(f"{path.stem}-curves-{dataset}-{budget}.png")
 
 
 def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
     """One figure per dataset, one panel per setting: the mean over seeds of each generator-family
     method's accuracy per server epoch, the band spanning the seeds' minimum to maximum, and the
     average-logit ensemble (the teacher DENSE distils) as a dashed line. Written next to ``path`` as
-    ``<stem>-curves-<dataset>-<budget>.png``; a dataset with no logged curves writes nothing."""
+    ``<stem>-curves-<dataset>-<budget>.png`` (:func:`figure_path`); cells come from ``root`` and the
+    archive beside ``path``; a dataset with no curves writes nothing (an earlier figure stays)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    cells = [s for s in _cell_summaries(root) if s["config"]["name"].endswith(f"-{budget}")]
+    cells = _cells(root, budget, common.archive_folder(path))
     written = []
     for dataset in DATASETS:
         panels = {}  # setting -> (method -> one curve per seed, teacher accuracies, seeds)
@@ -278,7 +285,7 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
         fig.suptitle(f"{dataset.upper()}, budget {budget}: mean over seeds, band = min to max", fontsize=9)
         fig.tight_layout(rect=(0, 0.07, 1, 1))
-        out = path.with_name(f"{path.stem}-curves-{dataset}-{budget}.png")
+        out = figure_path(path, dataset, budget)
         fig.savefig(out, dpi=110)
         plt.close(fig)
         written.append(out)
@@ -286,11 +293,15 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
 
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
+    """The results file ``path`` from the cells in ``root`` and the archive beside ``path``; each
+    budget's per-epoch figures are drawn where there are curves and linked wherever a figure exists
+    (one drawn from runs that are gone stays linked)."""
     bodies = []
     for budget in BUDGETS:
-        body = report(root, budget)
-        figures = plot_curves(root, path, budget)
-        if figures:
+        body = report(root, budget, common.archive_folder(path))
+        plot_curves(root, path, budget)
+        figures = [f for f in (figure_path(path, d, budget) for d in DATASETS) if f.is_file()]
+        if figures and "###" in body:  # a budget without cells has no section to hang them on
             body += "\n\n### Accuracy per server epoch (generator family)\n\n" + "\n\n".join(
                 f"![{f.stem}]({f.name})" for f in figures)
         bodies.append(body)

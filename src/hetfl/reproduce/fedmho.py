@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import cell_minutes, cell_summaries, failure_note, run_cell, stats
+from hetfl.reproduce.common import budget_cells, cell_minutes, failure_note, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 BASELINES = tuple(m for m in METHODS if not m.startswith("fedmho"))  # what the paper ranks MD/SD against
@@ -135,8 +135,9 @@ def _alpha(cfg: dict[str, Any]) -> str:
     return f"{cfg['partition']['alpha']:g}"
 
 
-def _cells(root: Path, budget: str) -> list[dict[str, Any]]:
-    return [s for s in cell_summaries(root, PREFIX) if s["config"]["name"].endswith(f"-{budget}")]
+def _cells(root: Path, budget: str, archive: Path | None = None) -> list[dict[str, Any]]:
+    """The cells of one budget, from the runs folder and the archive (:func:`common.cell_summaries`)."""
+    return budget_cells(root, PREFIX, budget, archive)
 
 
 def _ours(runs: list[dict[str, Any]]) -> str:
@@ -202,8 +203,10 @@ def _ordering(cells: list[dict[str, Any]], dataset: str) -> str:
             + ("; ".join(verdicts) if verdicts else "no cell with every method yet") + ".")
 
 
-def report(root: Path, budget: str, stem: str = "fedmho") -> str:
-    cells = _cells(root, budget)
+def report(root: Path, budget: str, stem: str = "fedmho", archive: Path | None = None) -> str:
+    """Markdown tables of one budget from the cells in ``root`` and the ``archive`` folder; ``stem``
+    names the Fig. 6 pictures (``<stem>-fig6-<cell>.png``)."""
+    cells = _cells(root, budget, archive)
     lines = [f"## Budget `{budget}`: {json.dumps(BUDGETS[budget])}", ""]
     for dataset in DATASETS:
         mine = [s for s in cells if s["config"]["dataset"] == dataset]
@@ -259,11 +262,14 @@ seeds). The paper's numbers are Table 4 / Table 6 (mean ± sd over its seeds).
 
 def plot_curves(root: Path, path: Path) -> list[Path]:
     """Fig. 6 as a picture: accuracy per server epoch of FedMHO (CE only) and FedMHO-MD/-SD (CE +
-    KD), one PNG per curve cell, written next to ``path`` as ``<stem>-fig6-<cell>.png``."""
+    KD), one PNG per curve cell, written next to ``path`` as ``<stem>-fig6-<cell>.png``. The curve is
+    part of the cell's summary (``results[method]["curve"]``), so an archived cell (the archive beside
+    ``path``) draws it as well; a cell without one writes nothing (an earlier picture stays)."""
     from hetfl.report import plot_accuracy_lines
 
+    archive = common.archive_folder(path)
     written = []
-    for s in (s for budget in BUDGETS for s in _cells(root, budget) if _variant(s["config"]) == "curve"):
+    for s in (s for b in BUDGETS for s in _cells(root, b, archive) if _variant(s["config"]) == "curve"):
         curves = {LABELS[m] + (" (no KD)" if m == "fedmho" else ""): list(enumerate(s["results"][m].get("curve", [])))
                   for m in CURVE_METHODS if m in s["results"]}
         out = path.with_name(f"{path.stem}-fig6-{s['config']['name']}.png")
@@ -274,7 +280,8 @@ def plot_curves(root: Path, path: Path) -> list[Path]:
 
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
-    common.write_results(path, HEADER, [report(root, budget, path.stem) for budget in BUDGETS], notes)
+    archive = common.archive_folder(path)
+    common.write_results(path, HEADER, [report(root, budget, path.stem, archive) for budget in BUDGETS], notes)
     plot_curves(root, path)
 
 
@@ -312,6 +319,7 @@ def main(args: argparse.Namespace) -> int:
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
         run_cell(cfg, root, Path(args.cache_dir), args.data_root, runner)
+        common.archive_cell(root, cfg["name"], common.archive_folder(results))  # Fig. 6's curve is in the summary
         write_results(root, results, notes)
     print(f"wrote {results}")
     return 0
