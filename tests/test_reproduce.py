@@ -396,9 +396,9 @@ def test_the_runs_folder_wins_over_the_archive_for_the_same_cell(tmp_path):
     assert paper.epoch_curves(runs, cells[old]) == {"dense": [5.0, 6.0]}  # its metrics.jsonl, not the archive's
     assert paper.epoch_curves(runs, cells[only_archived]) == {"dense": [21.0, 22.0, 23.0],
                                                               "fedhydra": [31.0, 32.0, 33.0]}
-    (runs / old / "metrics.jsonl").unlink()  # no metrics in the runs folder: the archived curves
-    cells = {s["config"]["name"]: s for s in cell_summaries(runs, "fedhydra", archive)}
-    assert paper.epoch_curves(runs, cells[old])["fedhydra"] == [31.0, 32.0, 33.0]
+    (runs / old / "metrics.jsonl").unlink()  # no metrics in the runs folder: the archived curves of the
+    cells = {s["config"]["name"]: s for s in cell_summaries(runs, "fedhydra", archive)}  # unchanged methods
+    assert paper.epoch_curves(runs, cells[old]) == {"dense": [21.0, 22.0, 23.0]}  # fedhydra was run again
     text = paper.report(runs, "reduced", archive)
     assert "61.00 ± 12.73 (60.00 ± 12.73) n=2" in text  # 70 from the runs folder, 52 from the archive
 
@@ -415,6 +415,21 @@ def test_a_budget_without_curves_keeps_an_existing_figure_and_its_link(tmp_path)
     text = out.read_text()
     assert kept.read_bytes() == b"drawn from runs that are gone"
     assert f"![{kept.stem}]({kept.name})" in text and stray.name not in text
+    # A method added to that cell later logs its own curve only: the figure is not redrawn from it alone,
+    # and the archive joins the new curve with those it had.
+    from hetfl.reproduce.common import archive_cell, archive_folder
+
+    cell = paper.cell_config("mnist", "0.1", 0, "reduced")["name"]
+    archived = archive_folder(out) / f"{cell}.json"
+    archived.parent.mkdir(parents=True, exist_ok=True)
+    archived.write_text(json.dumps({**json.loads((tmp_path / "runs" / cell / "summary.json").read_text()),
+                                    "curves": {"dense": [[1, 30.0], [2, 35.0]]}}))
+    rows = [{"method": "fedhydra_dense", "step": e, "accuracy": a} for e, a in ((1, 50.0), (2, 55.0))]
+    (tmp_path / "runs" / cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert paper.plot_curves(tmp_path / "runs", out, "reduced") == []
+    assert kept.read_bytes() == b"drawn from runs that are gone"
+    archive_cell(tmp_path / "runs", cell, archive_folder(out), paper.CURVE_METHODS)
+    assert set(json.loads(archived.read_text())["curves"]) == {"dense", "fedhydra_dense"}
 
 
 def test_fedmho_report_and_fig6_from_the_archive_alone(tmp_path):

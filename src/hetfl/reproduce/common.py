@@ -37,15 +37,25 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path, data_root: str | None
 def cell_summaries(root: Path, prefix: str, archive: Path | None = None) -> list[dict[str, Any]]:
     """The finished cells ``root/<prefix>-*/summary.json`` joined with the archived ones
     ``archive/<prefix>-*.json`` (:func:`archive_cell`), sorted by name. A cell in both is the runs
-    folder's summary, carrying the archived ``curves`` (:func:`cell_curves` prefers its metrics.jsonl)."""
+    folder's summary, carrying the archived ``curves`` of the methods whose results it has unchanged
+    (:func:`cell_curves` prefers its metrics.jsonl)."""
     cells = {p.parent.name: json.loads(p.read_text()) for p in root.glob(f"{prefix}-*/summary.json")}
     for p in sorted(archive.glob(f"{prefix}-*.json")) if archive is not None else ():
         saved = json.loads(p.read_text())
         if p.stem not in cells:
             cells[p.stem] = saved
         elif "curves" in saved:
-            cells[p.stem].setdefault("curves", saved["curves"])
+            same = unchanged_curves(saved, cells[p.stem])
+            if same:
+                cells[p.stem].setdefault("curves", same)
     return [cells[name] for name in sorted(cells)]
+
+
+def unchanged_curves(archived: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """The archived curves of the methods whose results ``summary`` still has unchanged (a method run
+    again in the runs folder has its own curve in metrics.jsonl, or none)."""
+    return {m: c for m, c in archived.get("curves", {}).items()
+            if m in summary.get("results", {}) and archived["results"].get(m) == summary["results"][m]}
 
 
 def budget_cells(root: Path, prefix: str, budget: str, archive: Path | None = None) -> list[dict[str, Any]]:
@@ -78,13 +88,15 @@ def logged_curves(metrics: Path, methods: tuple[str, ...]) -> dict[str, list[lis
 
 
 def cell_curves(root: Path, summary: dict[str, Any], methods: tuple[str, ...]) -> dict[str, list[list[float]]]:
-    """The ``methods``' curves of one cell (:func:`logged_curves`): from its metrics.jsonl in the runs
-    folder if there is one, else from the archived ``curves``, else none."""
+    """The ``methods``' curves of one cell (:func:`logged_curves`): the archived ``curves`` joined with
+    those in its metrics.jsonl in the runs folder (which win for a method in both; a cell that added a
+    method to an archived run logs only that method)."""
+    saved = summary.get("curves", {})
+    curves = {m: saved[m] for m in methods if m in saved}
     metrics = root / summary["config"]["name"] / "metrics.jsonl"
     if metrics.is_file():
-        return logged_curves(metrics, methods)
-    saved = summary.get("curves", {})
-    return {m: saved[m] for m in methods if m in saved}
+        curves.update(logged_curves(metrics, methods))
+    return curves
 
 
 ARCHIVE_KEEPS = ("note",)  # hand-written keys of an archived summary that a new copy keeps
@@ -92,9 +104,10 @@ ARCHIVE_KEEPS = ("note",)  # hand-written keys of an archived summary that a new
 
 def archive_cell(root: Path, name: str, archive: Path, curve_methods: tuple[str, ...] = ()) -> Path | None:
     """Copy the cell's ``root/<name>/summary.json`` to ``archive/<name>.json`` (same keys and format),
-    with ``curves`` (:func:`logged_curves` of ``curve_methods``) when there are such methods and the cell
-    has a metrics.jsonl; a ``note`` written by hand into the archived copy is kept. None when the cell has
-    no summary yet."""
+    with ``curves``: those logged in the cell's metrics.jsonl (:func:`logged_curves` of ``curve_methods``)
+    joined with the earlier archived curves of the methods whose results are unchanged (a method added
+    to an archived cell logs only its own). A ``note`` written by hand into the archived copy is kept.
+    None when the cell has no summary yet."""
     summary_file = root / name / "summary.json"
     if not summary_file.is_file():
         return None
@@ -103,7 +116,9 @@ def archive_cell(root: Path, name: str, archive: Path, curve_methods: tuple[str,
     old = json.loads(out.read_text()) if out.is_file() else {}
     kept = {k: old[k] for k in ARCHIVE_KEEPS if k in old and k not in summary}
     metrics = root / name / "metrics.jsonl"
-    curves = {"curves": logged_curves(metrics, curve_methods)} if curve_methods and metrics.is_file() else {}
+    logged = logged_curves(metrics, curve_methods) if curve_methods and metrics.is_file() else {}
+    joined = {**unchanged_curves(old, summary), **logged} if old else logged
+    curves = {"curves": joined} if joined else {}
     archive.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, {**summary, **kept, **curves})
     return out

@@ -249,7 +249,8 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
     method's accuracy per server epoch, the band spanning the seeds' minimum to maximum, and the
     average-logit ensemble (the teacher DENSE distils) as a dashed line. Written next to ``path`` as
     ``<stem>-curves-<dataset>-<budget>.png`` (:func:`figure_path`); cells come from ``root`` and the
-    archive beside ``path``; a dataset with no curves writes nothing (an earlier figure stays)."""
+    archive beside ``path``; a dataset with no curves, or with a cell whose curves are not all known
+    (runs that are gone), writes nothing where an earlier figure exists (that figure stays)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -266,6 +267,11 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
                                    [s["results"]["ensemble"]["accuracy"] for s in mine if "ensemble" in s["results"]],
                                    len(mine))
         if not panels:
+            continue
+        out = figure_path(path, dataset, budget)
+        cells_of = _main_cells(cells, dataset)
+        complete = all(set(epoch_curves(root, s)) >= set(CURVE_METHODS) & set(s["results"]) for s in cells_of)
+        if out.is_file() and not complete:  # some runs' curves are gone: the earlier, fuller figure stays
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True, squeeze=False)
         for ax, (setting, (curves, teacher, n)) in zip(axes[0], panels.items()):
@@ -285,7 +291,6 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
         fig.suptitle(f"{dataset.upper()}, budget {budget}: mean over seeds, band = min to max", fontsize=9)
         fig.tight_layout(rect=(0, 0.07, 1, 1))
-        out = figure_path(path, dataset, budget)
         fig.savefig(out, dpi=110)
         plt.close(fig)
         written.append(out)
