@@ -47,6 +47,11 @@ Choices where the paper is silent (stated, and exposed as keys):
   makes each column sum to 1, so with near-uniform weights Eq. 8 divides every logit by ~c: a
   teacher temperature of ~c in Eq. 13, 15 and 17 that the paper does not mention. Scaling by c
   keeps the relative weights and the argmax of P and removes that temperature.
+* The FedHydra authors' public code snapshot (github.com/Jun-B0518/ICDE2025-FL-SA; read for facts,
+  no code taken) runs a different loop from the one the paper's text describes: DENSE's (generator
+  and z re-initialised and trained every epoch, the adversarial KL masked to teacher/student
+  disagreement, the lowest-loss batch kept, the whole pool distilled every epoch), with Eq. 19's
+  CE weight defaulting to 0. ``fedhydra`` follows the text; ``fedhydra_dense`` (below) is that loop.
 * Stratification uses its own batch ``strat_batch_size`` (default 64: Alg. 2 says "a batch";
   the loss trajectory, not the images, is what is used) and the generator's default Adam
   (lr ``generator_lr``, betas 0.5/0.999, as DENSE). Labels are uniform; the student starts
