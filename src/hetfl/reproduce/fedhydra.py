@@ -257,10 +257,12 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
     cells = _cells(root, budget, common.archive_folder(path))
     written = []
     for dataset in DATASETS:
+        main = _main_cells(cells, dataset)
+        known = {s["config"]["name"]: epoch_curves(root, s) for s in main}  # read once per cell
         panels = {}  # setting -> (method -> one curve per seed, teacher accuracies, seeds)
         for setting in SETTINGS:
-            mine = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == setting]
-            per_seed = [epoch_curves(root, s) for s in mine]
+            mine = [s for s in main if _setting_of(s["config"]) == setting]
+            per_seed = [known[s["config"]["name"]] for s in mine]
             curves = {m: [c[m] for c in per_seed if m in c] for m in CURVE_METHODS}
             if any(curves.values()):
                 panels[setting] = ({m: v for m, v in curves.items() if v},
@@ -269,8 +271,7 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
         if not panels:
             continue
         out = figure_path(path, dataset, budget)
-        cells_of = _main_cells(cells, dataset)
-        complete = all(set(epoch_curves(root, s)) >= set(CURVE_METHODS) & set(s["results"]) for s in cells_of)
+        complete = all(set(known[s["config"]["name"]]) >= set(CURVE_METHODS) & set(s["results"]) for s in main)
         if out.is_file() and not complete:  # some runs' curves are gone: the earlier, fuller figure stays
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True, squeeze=False)
