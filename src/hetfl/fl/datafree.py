@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from hetfl.fl.method import ServerContext, derive_seed
@@ -277,13 +277,13 @@ class DataFreeDistiller:
         info = json.loads(info_path.read_text())
         if info.get("config") != config_key:
             return 1
-        with safe_open(str(blob), framework="pt") as f:
+        with safe_open(str(blob), framework="pt", device=str(self.ctx.device)) as f:  # one read of the blob
             meta = f.metadata() or {}
-        if meta.get("epoch") != str(info["epoch"]) or meta.get("config") != config_key:
-            warnings.warn(f"{blob}: checkpoint files disagree (blob epoch {meta.get('epoch')}, info epoch "
-                          f"{info['epoch']}); starting the server stage afresh", stacklevel=2)
-            return 1
-        t = load_file(str(blob), device=str(self.ctx.device))
+            if meta.get("epoch") != str(info["epoch"]) or meta.get("config") != config_key:
+                warnings.warn(f"{blob}: checkpoint files disagree (blob epoch {meta.get('epoch')}, info epoch "
+                              f"{info['epoch']}); starting the server stage afresh", stacklevel=2)
+                return 1
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         pick = lambda prefix: {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}  # noqa: E731
         self.student.load_state_dict(pick("student."))
         self.generator.load_state_dict(pick("generator."))
