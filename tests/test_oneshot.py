@@ -286,6 +286,22 @@ def test_fedhydra_dense_runs_fedhydra_in_denses_loop(tmp_path):
     assert (tmp_path / "run" / "fedhydra_dense" / "stratification.json").is_file()
 
 
+def test_channels_last_changes_the_layout_not_the_result(tmp_path):
+    """NHWC is a memory layout: the same loop gives the same model up to float summation order, and
+    the models come back (and are saved) in the contiguous layout."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads(json.dumps(SMOKE))
+    models = {}
+    for flag in (False, True):
+        cfg["methods"] = {"dense": {**SMOKE["methods"]["dense"], "channels_last": flag}}
+        Simulator(prepare(validate(cfg)), tmp_path / str(flag), tmp_path / "cache", quiet=True).run()
+        models[flag] = load_file(str(tmp_path / str(flag) / "dense" / "dense.safetensors"))
+    assert models[False].keys() == models[True].keys()
+    for name, value in models[False].items():
+        assert torch.allclose(value.float(), models[True][name].float(), atol=1e-4), name
+
+
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
     from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra, FedHydraLog1p
 

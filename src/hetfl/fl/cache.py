@@ -5,6 +5,12 @@ seed, the client's own sample indices), the full request the server sent (task, 
 initial seed, local hyperparameters, any tensors it carried), the cache format version, the
 torch version and the device type. Two methods that send the same request therefore receive
 byte-identical uploads, and a second run skips local training.
+
+Retraining (no cache, or another cache folder) repeats an upload bit for bit only on the same
+device with the same torch thread count: CPU kernels split their sums by thread, so another
+count changes the last bits, and ten local epochs turn that into accuracy differences of up to a
+few points. The count is written beside each upload (``torch_threads``), not keyed, so a cached
+upload is reused whatever the current count.
 """
 
 from __future__ import annotations

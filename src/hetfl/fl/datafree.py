@@ -103,6 +103,7 @@ class DataFreeConfig:
     pool_size: int = 0  # batches kept for replay (0: no replay; -1: unbounded, DENSE)
     replay: int = 0  # replayed pool batches per epoch (-1: the whole pool, DENSE)
     precision: str = "fp32"  # fp32 | bf16 autocast for generator and teacher forwards
+    channels_last: bool = True  # generator, teachers and student in NHWC (1.6x per generator step on AVX-512)
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
     eval_every: int = 1
     checkpoint_every: int = 10
@@ -163,6 +164,8 @@ class DataFreeDistiller:
         c, h, _ = ctx.shape
         torch.manual_seed(derive_seed(ctx.seed, name, "generator"))
         self.generator = Generator(cfg.nz, 64, h, c).to(ctx.device)
+        if cfg.channels_last:  # same arithmetic, another memory layout: oneDNN's fast NHWC kernels
+            self._layout(torch.channels_last)
         self.gen_opt = self._generator_optimizer(None)
         self.opt = torch.optim.SGD(self.student.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                    weight_decay=cfg.weight_decay)
@@ -176,6 +179,10 @@ class DataFreeDistiller:
         self.last_batch: Batch | None = None
 
     # -- pieces ---------------------------------------------------------------------------------
+    def _layout(self, memory_format: torch.memory_format) -> None:
+        for model in [*self.teachers, self.student, self.generator]:
+            model.to(memory_format=memory_format)
+
     def _generator_optimizer(self, z: torch.Tensor | None) -> torch.optim.Adam:
         params = list(self.generator.parameters()) + ([z] if z is not None else [])
         return torch.optim.Adam(params, lr=self.cfg.generator_lr, betas=(0.5, 0.999))
@@ -193,7 +200,11 @@ class DataFreeDistiller:
         y = torch.randint(0, self.ctx.num_classes, (cfg.batch_size,), generator=g).to(dev)
         if self.recipe.reset_generator:
             torch.manual_seed(derive_seed(self.ctx.seed, self.name, "generator", epoch))
-            self.generator.reset_parameters()
+            # normal_ fills a tensor in memory order: re-initialise in the contiguous layout so that
+            # the weights (and results) do not depend on channels_last
+            self.generator.to(memory_format=torch.contiguous_format).reset_parameters()
+            if cfg.channels_last:
+                self.generator.to(memory_format=torch.channels_last)
             if self.recipe.optimize_z:
                 z.requires_grad_(True)
             self.gen_opt = self._generator_optimizer(z if self.recipe.optimize_z else None)
@@ -343,13 +354,15 @@ class DataFreeDistiller:
             if epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs:
                 self.save_checkpoint(epoch, config_key)
         self.bn.remove()
+        if cfg.channels_last:  # hand the models back in the layout they came in
+            self._layout(torch.contiguous_format)
         ctx.record["timing_seconds"] = dict(self.timing)
         return self.student
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """Quantise [0, 1] images to uint8 for the pool (as DENSE's PNG pool does)."""
-    return (x.clamp(0, 1) * 255).round().to(torch.uint8)
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()  # one pool layout whatever G's
 
 
 def config_key(cfg: DataFreeConfig, **extra: Any) -> str:
