@@ -205,3 +205,22 @@ def test_count_flops_orders_models() -> None:
     assert cnn2 < resnet18
     # 2 FLOPs per MAC: the final Linear of cnn2 alone is 2 * 2048 * 10
     assert cnn2 >= 2 * 2048 * NUM_CLASSES
+
+
+def test_generator_reset_draws_the_same_weights_in_either_layout():
+    """normal_ fills memory in order; reset_parameters must not let the layout change the draws,
+    and the contiguous draws are DENSE's N(0, 0.02) / N(1, 0.02) in nn.init's order."""
+    from hetfl.models.generator import Generator
+
+    gens = [Generator(nz=8, ngf=4, image_size=8, channels=1) for _ in range(2)]
+    gens[1].to(memory_format=torch.channels_last)
+    assert not gens[1].conv_blocks[2].weight.is_contiguous()  # the layout really differs
+    for g in gens:
+        torch.manual_seed(3)
+        g.reset_parameters()
+    for (name, a), b in zip(gens[0].state_dict().items(), gens[1].state_dict().values()):
+        assert torch.equal(a, b), name
+    torch.manual_seed(3)
+    expected = torch.empty(gens[0].l1.weight.shape).normal_(0.0, 0.02)  # the first module drawn
+    assert torch.equal(gens[0].l1.weight, expected)
+    assert int(torch.count_nonzero(gens[0].conv_blocks[0].bias.detach())) == 0

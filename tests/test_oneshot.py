@@ -287,8 +287,8 @@ def test_fedhydra_dense_runs_fedhydra_in_denses_loop(tmp_path):
 
 
 def test_channels_last_changes_the_layout_not_the_result(tmp_path):
-    """NHWC is a memory layout: the same loop gives the same model up to float summation order, and
-    the models come back (and are saved) in the contiguous layout."""
+    """NHWC is a memory layout: the same loop (generator reset every epoch) gives the same model up to
+    float summation order."""
     from safetensors.torch import load_file
 
     cfg = json.loads(json.dumps(SMOKE))

@@ -13,9 +13,9 @@ checkpoint after every ``checkpoint_every`` epochs so an interrupted server stag
 
 Speed: with ``channels_last`` (default) the generator, teachers and student run in NHWC, where
 oneDNN's convolutions are faster on CPUs (measured 1.26x per generator step at batch 256 on an
-AVX-512 CPU; docs/BENCHMARKS.md). The arithmetic is the same up to float summation order; the
-generator is re-initialised in the contiguous layout (``normal_`` fills memory in order) so its
-weights do not depend on the flag. bf16 autocast (``precision``) measured no faster there.
+AVX-512 CPU; docs/BENCHMARKS.md). The arithmetic is the same up to float summation order
+(:meth:`~hetfl.models.generator.Generator.reset_parameters` draws the same weights in either
+layout). bf16 autocast (``precision``) measured no faster there.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class DataFreeConfig:
     pool_size: int = 0  # batches kept for replay (0: no replay; -1: unbounded, DENSE)
     replay: int = 0  # replayed pool batches per epoch (-1: the whole pool, DENSE)
     precision: str = "fp32"  # fp32 | bf16 autocast for generator and teacher forwards
-    channels_last: bool = True  # generator, teachers and student in NHWC (1.6x per generator step on AVX-512)
+    channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
     eval_every: int = 1
     checkpoint_every: int = 10
@@ -206,11 +206,7 @@ class DataFreeDistiller:
         y = torch.randint(0, self.ctx.num_classes, (cfg.batch_size,), generator=g).to(dev)
         if self.recipe.reset_generator:
             torch.manual_seed(derive_seed(self.ctx.seed, self.name, "generator", epoch))
-            # normal_ fills a tensor in memory order: re-initialise in the contiguous layout so that
-            # the weights (and results) do not depend on channels_last
-            self.generator.to(memory_format=torch.contiguous_format).reset_parameters()
-            if cfg.channels_last:
-                self.generator.to(memory_format=torch.channels_last)
+            self.generator.reset_parameters()  # layout-independent draws (see Generator)
             if self.recipe.optimize_z:
                 z.requires_grad_(True)
             self.gen_opt = self._generator_optimizer(z if self.recipe.optimize_z else None)
@@ -360,7 +356,7 @@ class DataFreeDistiller:
             if epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs:
                 self.save_checkpoint(epoch, config_key)
         self.bn.remove()
-        if cfg.channels_last:  # hand the models back in the layout they came in
+        if cfg.channels_last:  # hand the models back contiguous (as the uploads were built)
             self._layout(torch.contiguous_format)
         ctx.record["timing_seconds"] = dict(self.timing)
         return self.student

@@ -36,13 +36,16 @@ class Generator(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """DENSE's initialisation, independent of the memory layout: ``normal_`` fills a tensor in
+        memory order, so the draws go to a contiguous tensor first (a channels_last generator gets
+        the same weights as a contiguous one for the same seed)."""
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
-                nn.init.normal_(m.weight, 0.0, 0.02)
+                _normal_in_logical_order(m.weight, 0.0)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.BatchNorm2d):
-                nn.init.normal_(m.weight, 1.0, 0.02)
+                _normal_in_logical_order(m.weight, 1.0)
                 nn.init.zeros_(m.bias)
                 m.reset_running_stats()
 
@@ -51,3 +54,7 @@ class Generator(nn.Module):
         out = out.reshape(out.shape[0], -1, self.init_size, self.init_size)
         return self.conv_blocks(out)
 
+
+@torch.no_grad()
+def _normal_in_logical_order(weight: torch.Tensor, mean: float, std: float = 0.02) -> None:
+    weight.copy_(torch.empty(weight.shape, dtype=weight.dtype, device=weight.device).normal_(mean, std))
