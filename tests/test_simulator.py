@@ -58,6 +58,14 @@ def test_cache_returns_identical_uploads_and_skips_training(tmp_path, tiny_confi
     a = load_file(str(tmp_path / "a" / "fedavg" / "fedavg.safetensors"))
     b = load_file(str(tmp_path / "b" / "fedavg" / "fedavg.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the thread count is recorded beside each upload (it changes retrained bits) but not keyed
+    infos = [json.loads(p.with_suffix(".json").read_text()) for p in blobs]
+    assert {i["torch_threads"] for i in infos} == {torch.get_num_threads()}
+    torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
+    try:
+        assert run(tiny_config, tmp_path / "t", cache)["results"]["fedavg"]["cached_uploads"] == 3
+    finally:
+        torch.set_num_threads(infos[0]["torch_threads"])
     # a different local hyperparameter is a different key: retrain
     tiny_config["client"]["lr"] = 0.02
     third = run(tiny_config, tmp_path / "c", cache)
