@@ -16,10 +16,13 @@ from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.datafree import BNStatsLoss, kl_div
 from hetfl.fl.training import TrainConfig, local_train
 from hetfl.methods.fedhydra import (
+    SATURATED_CE,
     guidance,
     normalise_rows_and_columns,
+    saturate,
     stratified_aggregation,
     stratify,
+    stratify_losses,
     stratify_reference,
 )
 from hetfl.methods.ot import chain_layers, fuse
@@ -108,6 +111,30 @@ def test_stratification_gives_each_2cc_client_its_owned_classes():
         top2 = set(U_c[:, k].topk(2).indices.tolist())
         assert top2 == {2 * k, 2 * k + 1}, f"client {k}: {U_c[:, k]}"
         assert float(U_c[2 * k, k] + U_c[2 * k + 1, k]) > 0.9  # paper Fig. 5b: ~0.96 on owned classes
+
+
+def test_saturate_gives_near_zero_minima_the_largest_u():
+    U = torch.tensor([[0.0, 5.0], [2.0, 1.0]], dtype=torch.float64)
+    L_min = torch.tensor([[1e-13, 1e-4], [0.3, 1e-3]], dtype=torch.float64)
+    assert torch.equal(saturate(U, L_min), torch.tensor([[5.0, 5.0], [2.0, 1.0]], dtype=torch.float64))
+    assert torch.equal(saturate(U, torch.full_like(U, 1e-3)), U)  # nothing saturated: Eq. 2 unchanged
+
+
+def test_a_one_class_teacher_has_a_flat_trajectory_that_saturated_max_repairs():
+    """A client that calls every input class 2 with a margin of ~60 gives the generator no gradient:
+    its CE on class 2 is flat near 0, Eq. 2 reads u = 0 (the paper's formula as written), and
+    ``saturated: max`` makes it the strongest guidance for class 2."""
+    torch.manual_seed(0)
+    confident, plain = build_model("cnn2", 1, 16, 4).eval(), build_model("cnn2", 1, 16, 4).eval()
+    with torch.no_grad():
+        confident.fc.bias[2] += 60.0
+    L = stratify_losses([confident, plain], 4, (1, 16, 16), steps=5, batch=8, lr=1e-3, nz=16, seed=0, device=CPU)
+    assert L.shape == (4, 2, 5)
+    U, L_min = guidance(L), L.amin(dim=-1)
+    assert float(L_min[2, 0]) < SATURATED_CE < float(L_min[2, 1])
+    assert float(U[2, 0]) < 1e-3 < float(U[2, 1])  # Eq. 2: the confident client looks weakest
+    U_r, _ = normalise_rows_and_columns(saturate(U, L_min))
+    assert int(U_r[2].argmax()) == 0 and float(U[2, 0]) < float(saturate(U, L_min)[2, 0]) == float(U.max())
 
 
 def test_batched_stratification_equals_the_one_at_a_time_loop():
@@ -330,6 +357,7 @@ def test_fedhydra_ablation_keys_are_validated_and_adv_mask_selects_samples():
     for key, bad, message in [("aggregation", "median", "aggregation must be one of"),
                               ("column_scale", "max", "column_scale must be"),
                               ("adv_mask", "both", "adv_mask must be one of"),
+                              ("saturated", "min", "saturated must be 'eq2'"),
                               ("reset_generator", "yes", "reset_generator must be true or false")]:
         with pytest.raises(ValueError, match=message):
             FedHydra({key: bad}).check(None)

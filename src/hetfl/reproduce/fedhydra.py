@@ -40,6 +40,7 @@ PAPER: dict[str, dict[str, list[float]]] = {
     },
 }
 # Table 6: FedHydra at alpha = 0.5 with (lambda_1, lambda_2).
+ABLATION_METHODS = ("fedhydra", "fedhydra_dense")  # Table 6 in the paper's loop, or in the authors' code's
 ABLATION = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.0), (0.0, 0.0)]
 PAPER_ABLATION = {"mnist": [88.75, 84.61, 83.29, 81.54, 76.19, 74.14],
                   "fmnist": [77.20, 76.72, 76.07, 73.72, 70.64, 69.38]}
@@ -61,7 +62,8 @@ def partition(setting: str) -> dict[str, Any]:
 
 
 def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tuple[str, ...] = METHODS,
-                clients: int = 5, lambdas: tuple[float, float] | None = None) -> dict[str, Any]:
+                clients: int = 5, lambdas: tuple[float, float] | None = None,
+                ablation_method: str = "fedhydra") -> dict[str, Any]:
     b = BUDGETS[budget]
     gen = {"epochs": b["epochs"], "generator_steps": b["generator_steps"], "batch_size": b["batch_size"]}
     per_method: dict[str, dict[str, Any]] = {
@@ -73,10 +75,10 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
         "fedhydra_dense": {**gen, "strat_batch_size": b["strat_batch_size"]},
     }
     if lambdas is not None:
-        per_method["fedhydra"].update(lambda_bn=lambdas[0], lambda_adv=lambdas[1])
+        per_method[ablation_method].update(lambda_bn=lambdas[0], lambda_adv=lambdas[1])
     tag = setting.replace("/", "") + ("" if clients == 5 else f"-m{clients}")
     if lambdas is not None:
-        tag += f"-l{lambdas[0]}-{lambdas[1]}"
+        tag += f"-l{lambdas[0]}-{lambdas[1]}" + ("" if ablation_method == "fedhydra" else f"-{ablation_method}")
     return {
         "name": f"fedhydra-{dataset}-{tag}-s{seed}-{budget}", "seed": seed, "dataset": dataset,
         "partition": partition(setting), "clients": clients,
@@ -96,9 +98,13 @@ def _setting_of(cfg: dict[str, Any]) -> str:
     return "2c/c" if p["kind"] == "2c/c" else f"{p['alpha']:g}"
 
 
+def _ablation_method(cfg: dict[str, Any]) -> str | None:
+    """The method of a Table 6 cell (its (lambda_1, lambda_2) set by :func:`cell_config`), or None."""
+    return next((m for m in ABLATION_METHODS if "lambda_bn" in cfg["methods"].get(m, {})), None)
+
+
 def _is_ablation(cfg: dict[str, Any]) -> bool:
-    """A Table 6 cell: FedHydra with (lambda_1, lambda_2) set by :func:`cell_config`."""
-    return "lambda_bn" in cfg["methods"].get("fedhydra", {})
+    return _ablation_method(cfg) is not None
 
 
 def _main_cells(cells: list[dict[str, Any]], dataset: str) -> list[dict[str, Any]]:
@@ -151,29 +157,35 @@ def report(root: Path, budget: str, archive: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def _ablation_runs(cells: list[dict[str, Any]], dataset: str, lambdas: tuple[float, float]) -> list[dict[str, Any]]:
-    """FedHydra's results at alpha = 0.5 with (lambda_1, lambda_2); the paper's (1, 1) row is the
-    main grid's alpha = 0.5 cell of each seed the ablation ran."""
-    abl = [s for s in cells if s["config"]["dataset"] == dataset and _is_ablation(s["config"])]
-    if lambdas == (1.0, 1.0):
+def _ablation_runs(cells: list[dict[str, Any]], dataset: str, lambdas: tuple[float, float],
+                   method: str = "fedhydra") -> list[dict[str, Any]]:
+    """``method``'s results at alpha = 0.5 with (lambda_1, lambda_2). The paper's (1, 1) row is an
+    ablation cell where one ran (``fedhydra_dense``'s grid runs it), else the main grid's alpha = 0.5
+    cell of each seed the ablation ran."""
+    abl = [s for s in cells if s["config"]["dataset"] == dataset and _ablation_method(s["config"]) == method]
+    pool = [s for s in abl if (s["config"]["methods"][method].get("lambda_bn"),
+                               s["config"]["methods"][method].get("lambda_adv")) == lambdas]
+    if lambdas == (1.0, 1.0) and not pool:
         seeds = {s["config"]["seed"] for s in abl}
         pool = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == "0.5"
                 and s["config"]["seed"] in seeds]
-    else:
-        pool = [s for s in abl if (s["config"]["methods"]["fedhydra"].get("lambda_bn"),
-                                   s["config"]["methods"]["fedhydra"].get("lambda_adv")) == lambdas]
-    return [s["results"]["fedhydra"] for s in pool if "fedhydra" in s["results"]]
+    return [s["results"][method] for s in pool if method in s["results"]]
 
 
 def _ablation_table(cells: list[dict[str, Any]]) -> list[str]:
-    lines = ["### Table 6 ablation (FedHydra, α = 0.5): ours = best-over-epochs % (final %), then the paper's",
-             "", "| λ1 | λ2 | " + " | ".join(f"{d.upper()} ours | {d.upper()} paper" for d in DATASETS) + " |",
-             "|---|---|" + "---|---|" * len(DATASETS)]
-    for i, lambdas in enumerate(ABLATION):
-        cols = []
-        for dataset in DATASETS:
-            cols.append(f"{_ours(_ablation_runs(cells, dataset, lambdas))} | {PAPER_ABLATION[dataset][i]:.2f}")
-        lines.append(f"| {lambdas[0]:g} | {lambdas[1]:g} | " + " | ".join(cols) + " |")
+    lines: list[str] = []
+    for method in ABLATION_METHODS:
+        if not any(_ablation_method(s["config"]) == method for s in cells):
+            continue
+        title = "FedHydra" if method == "fedhydra" else f"`{method}`, ours: FedHydra in DENSE's loop"
+        lines += [*([""] if lines else []),
+                  f"### Table 6 ablation ({title}, α = 0.5): ours = best-over-epochs % (final %), then the paper's",
+                  "", "| λ1 | λ2 | " + " | ".join(f"{d.upper()} ours | {d.upper()} paper" for d in DATASETS) + " |",
+                  "|---|---|" + "---|---|" * len(DATASETS)]
+        for i, lambdas in enumerate(ABLATION):
+            cols = [f"{_ours(_ablation_runs(cells, d, lambdas, method))} | {PAPER_ABLATION[d][i]:.2f}"
+                    for d in DATASETS]
+            lines.append(f"| {lambdas[0]:g} | {lambdas[1]:g} | " + " | ".join(cols) + " |")
     return lines
 
 
@@ -315,10 +327,16 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
 
 
 def grid(datasets: list[str], settings: list[str], seeds: list[int], budget: str, methods: tuple[str, ...],
-         clients: list[int], ablation: bool) -> list[dict[str, Any]]:
+         clients: list[int], ablation: bool, ablation_method: str = "fedhydra") -> list[dict[str, Any]]:
+    """The cells to run. Table 6 (``ablation``) runs ``ablation_method`` alone at alpha = 0.5; for
+    ``fedhydra`` its (1, 1) row is the main grid's cell, for ``fedhydra_dense`` a cell of its own
+    (the main grid's alpha = 0.5 cells run it only on request)."""
+    if ablation_method not in ABLATION_METHODS:
+        raise ValueError(f"the Table 6 ablation runs one of {list(ABLATION_METHODS)}, got {ablation_method!r}")
     cells = [cell_config(d, s, seed, budget, methods, m) for d in datasets for s in settings for seed in seeds
              for m in clients]
     if ablation:
-        cells += [cell_config(d, "0.5", seed, budget, ("fedhydra",), 5, lam) for d in datasets for seed in seeds
-                  for lam in ABLATION if lam != (1.0, 1.0)]
+        cells += [cell_config(d, "0.5", seed, budget, (ablation_method,), 5, lam, ablation_method)
+                  for d in datasets for seed in seeds for lam in ABLATION
+                  if lam != (1.0, 1.0) or ablation_method != "fedhydra"]
     return cells
