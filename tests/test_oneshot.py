@@ -204,6 +204,7 @@ def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
     assert all(r["cached_uploads"] == 3 for name, r in res.items() if name != "fedavg")
     strat = json.loads((tmp_path / "fedhydra" / "stratification.json").read_text())
     assert len(strat["U"]) == 4 and len(strat["U"][0]) == 3
+    assert len(strat["L_min"]) == 4 and len(strat["L_min"][0]) == 3  # minima kept for saturated: max
     assert (tmp_path / "fedhydra" / "U_c.png").is_file() and (tmp_path / "fedhydra" / "samples.png").is_file()
     assert set(res["fedhydra"]["timing_seconds"]) == {"generation", "distillation", "evaluation"}
     assert "stratification_seconds" in res["fedhydra"]

@@ -284,12 +284,10 @@ class FedHydra(DataFreeMethod):
                                 ctx.progress).cpu()
             U, L_min = guidance(L), L.amin(dim=-1)
             ctx.record["stratification_seconds"] = time.perf_counter() - start
-        U_eq2 = U
-        if self.params["saturated"] == "max":
-            U = saturate(U, L_min)
-        U_r, U_c = normalise_rows_and_columns(U_TRANSFORMS[self.params["u_transform"]](U))
-        path.write_text(json.dumps({"U": U_eq2.tolist(), "U_r": U_r.tolist(), "U_c": U_c.tolist(),
-                                    "L_min": L_min.tolist(), "U_used": U.tolist(), "key": key}))
+        used = saturate(U, L_min) if self.params["saturated"] == "max" else U
+        U_r, U_c = normalise_rows_and_columns(U_TRANSFORMS[self.params["u_transform"]](used))
+        path.write_text(json.dumps({"U": U.tolist(), "U_r": U_r.tolist(), "U_c": U_c.tolist(),
+                                    "L_min": L_min.tolist(), "key": key}))
         plot_weights(U_c, ctx.out_dir / "U_c.png")
         scale = ctx.num_classes if self.params["column_scale"] == "mean" else 1  # columns average 1
         return FedHydraRecipe(U_r.float().to(ctx.device), scale * U_c.float().to(ctx.device),
