@@ -477,3 +477,32 @@ def test_fedmho_report_and_fig6_from_the_archive_alone(tmp_path):
     mho.write_results(runs, out)
     assert out.read_text() == from_runs and f"]({png.name})" in from_runs
     assert png.is_file()  # the curve is in the archived summary
+
+
+def test_one_cache_section_ranks_fedhydra_dense_against_the_baselines_on_means_and_per_seed(tmp_path):
+    folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
+    folder.mkdir(parents=True)
+    assert paper.one_cache_report(folder) == ""  # nothing archived: no section
+    base = dict.fromkeys(("ensemble", "fedavg", "ot", "feddf", "dense", "coboosting"), 40.0)
+    for seed, (ours, cob) in enumerate([(60.0, 45.0), (50.0, 55.0), (70.0, 41.0)]):
+        cfg = paper.cell_config("mnist", "0.1", seed, "reduced")
+        results = {m: {"accuracy": a - 1, "best_accuracy": a}
+                   for m, a in {**base, "coboosting": cob, "fedhydra_dense": ours}.items()}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results, "minutes": 3.0}))
+    text = paper.one_cache_report(folder)
+    lines = text.splitlines()
+    assert lines[0] == "## All methods on one upload cache (budget `reduced`)"
+    rows = [x.split(" |")[0] for x in lines if x.startswith("| ") and not x.startswith("| method")]
+    assert rows == ["| ensemble (teacher)", "| FedAvg", "| OT", "| FedDF", "| DENSE", "| Co-Boosting",
+                    "| FedHydra", "| FedHydra in DENSE's loop, as the authors' code (ours)"]
+    hydra = next(x for x in lines if x.startswith("| FedHydra |"))
+    assert "not run | 59.97" in hydra  # the paper's FedHydra, beside our fedhydra_dense row
+    dense_loop = next(x for x in lines if x.startswith("| FedHydra in DENSE's loop"))
+    assert "60.00 ± 10.00 (59.00 ± 10.00) n=3 | -" in dense_loop
+    verdict = next(x for x in lines if x.startswith("- 0.1 (n=3)"))
+    assert verdict.startswith("- 0.1 (n=3): `fedhydra_dense` first (60.00 vs best baseline 47.00)")
+    assert "not compared" not in verdict  # FedHydra is the candidate's paper row, not a baseline
+    assert verdict.endswith("per seed, above every baseline run in 2 of 3")
+    assert "Minutes per cell (all methods, incl. local training): 3.00 ± 0.00 over 3 cells." in text
+    paper.write_results(tmp_path / "runs", tmp_path / "fedhydra.md")
+    assert "## All methods on one upload cache" in (tmp_path / "fedhydra.md").read_text()

@@ -133,28 +133,67 @@ def report(root: Path, budget: str, archive: Path | None = None) -> str:
         main = _main_cells(cells, dataset)
         if not main:
             continue
-        names = [_label(s) for s in SETTINGS]
-        lines += [f"### {dataset.upper()} (5 clients, cnn2): ours = best-over-epochs % (final %), then the paper's", "",
-                  "| method | " + " | ".join(f"{n} ours | {n} paper" for n in names) + " |",
-                  "|---|" + "---|---|" * len(SETTINGS)]
-        for method in ("ensemble", *METHODS, *EXTRA):
-            row = [LABELS[method]]
-            for i, setting in enumerate(SETTINGS):
-                runs = [s["results"][method] for s in main if _setting_of(s["config"]) == setting
-                        and method in s["results"]]
-                paper = PAPER[dataset].get(method, [None] * 5)[i]
-                row.append(f"{_ours(runs)} | {f'{paper:.2f}' if paper is not None else '-'}")
-            lines.append("| " + " | ".join(row) + " |")
-        minutes = [cell_minutes(s) for s in main if s.get("minutes")]
-        if minutes:
-            devices = sorted({s["environment"]["device"] for s in main if "device" in s.get("environment", {})})
-            lines += ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
-                      f"{len(minutes)} cells" + (f" (device: {', '.join(devices)})." if devices else ".")]
+        lines += [f"### {dataset.upper()} (5 clients, cnn2): ours = best-over-epochs % (final %), then the paper's",
+                  "", *_table(main, dataset, ("ensemble", *METHODS, *EXTRA)), *_minutes(main)]
         failures = common.failure_note(main)
         lines += ["", _ordering(main), "", *([failures, ""] if failures else [])]
     if any(_is_ablation(s["config"]) for s in cells):
         lines += _ablation_table(cells)
     return "\n".join(lines)
+
+
+def _table(main: list[dict[str, Any]], dataset: str, methods: tuple[str, ...]) -> list[str]:
+    """One row per method: our mean over the seeds of each setting beside the paper's number."""
+    names = [_label(s) for s in SETTINGS]
+    lines = ["| method | " + " | ".join(f"{n} ours | {n} paper" for n in names) + " |",
+             "|---|" + "---|---|" * len(SETTINGS)]
+    for method in methods:
+        row = [LABELS[method]]
+        for i, setting in enumerate(SETTINGS):
+            runs = [s["results"][method] for s in main if _setting_of(s["config"]) == setting
+                    and method in s["results"]]
+            paper = PAPER[dataset].get(method, [None] * 5)[i]
+            row.append(f"{_ours(runs)} | {f'{paper:.2f}' if paper is not None else '-'}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _minutes(main: list[dict[str, Any]]) -> list[str]:
+    minutes = [cell_minutes(s) for s in main if s.get("minutes")]
+    if not minutes:
+        return []
+    devices = sorted({s["environment"]["device"] for s in main if "device" in s.get("environment", {})})
+    return ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
+            f"{len(minutes)} cells" + (f" (device: {', '.join(devices)})." if devices else ".")]
+
+
+ONE_CACHE = "one-cache"  # archive subfolder: cells whose methods all ran on one upload cache (`--cache-dir`)
+ONE_CACHE_INTRO = """Every method of a cell below ran on byte-identical client uploads (one `--cache-dir`, one
+torch thread count), so differences between rows are the server methods alone; the tables above
+mix cells whose methods were added in different sessions, on uploads retrained under other thread
+counts. FedHydra as the text specifies was not re-run here: its row quotes the paper, beside
+`fedhydra_dense` (FedHydra in the loop of the authors' public code)."""
+
+
+def one_cache_report(folder: Path, budget: str = "reduced") -> str:
+    """Markdown for the archived cells in ``folder`` (:data:`ONE_CACHE`): the Table 1/2 grid of the
+    methods run, and the place of ``fedhydra_dense`` (``fedhydra`` where every cell ran it) against
+    every paper baseline under strong heterogeneity, on the means and per seed."""
+    cells = budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
+    lines: list[str] = []
+    for dataset in DATASETS:
+        main = _main_cells(cells, dataset)
+        if not main:
+            continue
+        ran = tuple(m for m in ("ensemble", *METHODS, *EXTRA) if any(m in s["results"] for s in main))
+        rows = ran if "fedhydra" in ran else (*ran[:-1], "fedhydra", ran[-1]) if ran[-1] in EXTRA else ran
+        candidate = "fedhydra" if all("fedhydra" in s["results"] for s in main) else "fedhydra_dense"
+        lines += ["", f"### {dataset.upper()}, one upload cache per cell: ours = best-over-epochs % (final %), "
+                  "then the paper's", "", *_table(main, dataset, rows), *_minutes(main), "",
+                  _ordering(main, candidate)]
+    if not lines:
+        return ""
+    return "\n".join([f"## All methods on one upload cache (budget `{budget}`)", "", ONE_CACHE_INTRO, *lines])
 
 
 def _ablation_runs(cells: list[dict[str, Any]], dataset: str, lambdas: tuple[float, float],
@@ -189,35 +228,47 @@ def _ablation_table(cells: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _ranking(runs: list[dict[str, Any]], key: str) -> tuple[dict[str, float], str]:
-    """Mean ``key`` accuracy of every method run in all ``runs``, and FedHydra's place against the
+def _name(candidate: str) -> str:
+    return "FedHydra" if candidate == "fedhydra" else f"`{candidate}`"
+
+
+def _ranking(runs: list[dict[str, Any]], key: str, candidate: str = "fedhydra") -> tuple[dict[str, float], str]:
+    """Mean ``key`` accuracy of every method run in all ``runs``, and ``candidate``'s place against the
     best paper baseline: ``FedHydra first (a vs best baseline b)`` or ``FedHydra below X (a vs b)``."""
     mean = {m: statistics.fmean(s["results"][m][key] for s in runs)
             for m in (*METHODS, *EXTRA) if all(m in s["results"] for s in runs)}
     others = {m: v for m, v in mean.items() if m not in ("fedhydra", *EXTRA)}
     best_other = max(others, key=others.get) if others else None
-    ok = best_other is None or mean["fedhydra"] > others[best_other]
-    place = "FedHydra first" if ok else f"FedHydra below {LABELS[best_other]}"
-    return mean, f"{place} ({mean['fedhydra']:.2f} vs best baseline {others.get(best_other, float('nan')):.2f})"
+    ok = best_other is None or mean[candidate] > others[best_other]
+    place = f"{_name(candidate)} first" if ok else f"{_name(candidate)} below {LABELS[best_other]}"
+    return mean, f"{place} ({mean[candidate]:.2f} vs best baseline {others.get(best_other, float('nan')):.2f})"
 
 
-def _ordering(cells: list[dict[str, Any]]) -> str:
-    """Does FedHydra beat every baseline under strong heterogeneity? On the mean best-over-epochs
-    accuracy (the paper's protocol), then on the mean final-epoch accuracy."""
+def _wins(runs: list[dict[str, Any]], candidate: str) -> int:
+    """In how many runs (seeds) ``candidate``'s best-over-epochs accuracy is above every paper baseline's."""
+    return sum(all(s["results"][candidate]["best_accuracy"] > r["best_accuracy"]
+                   for m, r in s["results"].items() if m in METHODS and m != "fedhydra") for s in runs)
+
+
+def _ordering(cells: list[dict[str, Any]], candidate: str = "fedhydra") -> str:
+    """Does ``candidate`` (FedHydra) beat every baseline under strong heterogeneity? On the mean
+    best-over-epochs accuracy (the paper's protocol), then on the mean final-epoch accuracy, then
+    per seed."""
     verdicts = []
     for setting in ("0.1", "0.01", "2c/c"):
         runs = [s for s in cells if _setting_of(s["config"]) == setting]
-        if not runs or any("fedhydra" not in s["results"] for s in runs):
+        if not runs or any(candidate not in s["results"] for s in runs):
             continue
-        mean, verdict = _ranking(runs, "best_accuracy")
+        mean, verdict = _ranking(runs, "best_accuracy", candidate)
         verdict = f"{setting} (n={len(runs)}): {verdict}"
         for extra in EXTRA:
-            if extra in mean:
+            if extra in mean and extra != candidate:
                 verdict += f", {LABELS[extra]} {mean[extra]:.2f}"
-        verdict += f"; final epoch: {_ranking(runs, 'accuracy')[1]}"
-        missing = [LABELS[m] for m in METHODS if m not in mean]
+        verdict += f"; final epoch: {_ranking(runs, 'accuracy', candidate)[1]}"
+        missing = [LABELS[m] for m in METHODS if m not in mean and m != "fedhydra"]
         if missing:  # a verdict against part of the baselines must say which ones it lacks
             verdict += f"; not compared: {', '.join(missing)} (not run in every cell)"
+        verdict += f"; per seed, above every baseline run in {_wins(runs, candidate)} of {len(runs)}"
         verdicts.append(verdict)
     if not verdicts:
         return "Ordering under strong heterogeneity: no complete cells yet"
@@ -231,8 +282,10 @@ Generated by `hetfl reproduce fedhydra` from the runs under its output folder; d
 (notes below the tables are kept in `docs/results/fedhydra-notes.md`).
 
 Protocol: 5 clients with cnn2 (DENSE's CNNMnist), server cnn2, Dirichlet(alpha) with min_size 10
-(DENSE/MOON convention) or 2c/c; local SGD lr 0.01, momentum 0.9, batch 128. All six methods of a
-cell run on the same cached client uploads, partition and seed. Accuracy is top-1 on the official
+(DENSE/MOON convention) or 2c/c; local SGD lr 0.01, momentum 0.9, batch 128. The methods of a cell
+share its partition, seed and upload cache; methods added to a cell in a later session may have run
+on uploads retrained under another torch thread count, so the section "All methods on one upload
+cache" (byte-identical uploads) is the like-for-like comparison. Accuracy is top-1 on the official
 10k test split. **best** = best test accuracy over the server's evaluations (what the paper and its
 peers report: test-set model selection); **final** = the last epoch's model. ± is the standard
 deviation over seeds (n = number of seeds run). The paper's numbers (Table 1, Table 2, Table 6) are
@@ -323,6 +376,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
             body += "\n\n### Accuracy per server epoch (generator family)\n\n" + "\n\n".join(
                 f"![{f.stem}]({f.name})" for f in figures)
         bodies.append(body)
+    bodies.append(one_cache_report(common.archive_folder(path) / ONE_CACHE))
     common.write_results(path, HEADER, bodies, notes)
 
 
