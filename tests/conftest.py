@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,13 @@ import torch
 from hetfl.data.synthetic import load_synthetic
 
 torch.set_num_threads(2)
+
+# A shell that starts the suite in the background (`make test &`, nohup, some CI runners) hands it
+# SIGINT ignored, and an ignored signal stays ignored across exec: the subprocesses of the Ctrl-C tests
+# would never see the SIGINT they are sent. Python's own handler is reset to the default at exec, so
+# installing it here gives every child a normal Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO / "data"
