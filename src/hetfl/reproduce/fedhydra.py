@@ -185,8 +185,9 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
         main = _main_cells(cells, dataset)
         if not main:
             continue
-        ran = tuple(m for m in ("ensemble", *METHODS, *EXTRA) if any(m in s["results"] for s in main))
-        rows = ran if "fedhydra" in ran else (*ran[:-1], "fedhydra", ran[-1]) if ran[-1] in EXTRA else ran
+        # the methods run, in the report's order, and always FedHydra's row (the paper's number)
+        rows = tuple(m for m in ("ensemble", *METHODS, *EXTRA)
+                     if m == "fedhydra" or any(m in s["results"] for s in main))
         candidate = "fedhydra" if all("fedhydra" in s["results"] for s in main) else "fedhydra_dense"
         lines += ["", f"### {dataset.upper()}, one upload cache per cell: ours = best-over-epochs % (final %), "
                   "then the paper's", "", *_table(main, dataset, rows), *_minutes(main), "",
