@@ -22,7 +22,7 @@ def test_every_cell_of_the_grid_is_a_valid_config_with_a_unique_name():
 def fake_summary(root, dataset, setting, seed, accs, budget="reduced"):
     cfg = paper.cell_config(dataset, setting, seed, budget)
     out = root / cfg["name"]
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
     (out / "summary.json").write_text(json.dumps({"config": cfg, "results": results, "minutes": 2.0}))
     return cfg
@@ -425,6 +425,30 @@ def test_the_runs_folder_wins_over_the_archive_for_the_same_cell(tmp_path):
     assert paper.epoch_curves(runs, cells[old]) == {"dense": [21.0, 22.0, 23.0]}  # fedhydra was run again
     text = paper.report(runs, "reduced", archive)
     assert "61.00 ± 12.73 (60.00 ± 12.73) n=2" in text  # 70 from the runs folder, 52 from the archive
+
+
+def test_an_archived_cell_never_loses_methods_to_a_subset_run_into_another_folder(tmp_path):
+    from hetfl.reproduce.common import archive_cell, archive_folder, cell_summaries
+
+    archive = archive_folder(tmp_path / "out.md")
+    methods = {"ensemble", *paper.METHODS}
+    name = fake_summary(tmp_path / "runs", "mnist", "0.1", 0, dict.fromkeys(methods, 40.0))["name"]
+    kept = archive_cell(tmp_path / "runs", name, archive)
+    before = kept.read_text()
+    subset = tmp_path / "ablation-runs"  # two of the cell's methods again, beside an ablation
+    fake_summary(subset, "mnist", "0.1", 0, {"dense": 41.0, "fedhydra": 71.0})
+    partial = archive_cell(subset, name, archive)
+    assert kept.read_text() == before
+    assert partial == archive / "partial" / "ablation-runs" / f"{name}.json"
+    assert set(json.loads(partial.read_text())["results"]) == {"dense", "fedhydra"}
+    assert not list(archive.glob("partial/**/*.tmp"))
+    cells = cell_summaries(subset, "fedhydra", archive)  # the report reads the fuller archived cell
+    assert [set(s["results"]) for s in cells] == [methods]
+    assert cells[0]["results"]["fedhydra"]["best_accuracy"] == 40.0
+    fake_summary(subset, "mnist", "0.1", 0, {**dict.fromkeys(methods, 42.0), "fedhydra_dense": 60.0})
+    assert archive_cell(subset, name, archive) == kept  # every archived method and one more: replaces it
+    assert json.loads(kept.read_text())["results"]["fedhydra_dense"]["best_accuracy"] == 60.0
+    assert cell_summaries(subset, "fedhydra", archive)[0]["results"]["dense"]["best_accuracy"] == 42.0
 
 
 def test_a_budget_without_curves_keeps_an_existing_figure_and_its_link(tmp_path):

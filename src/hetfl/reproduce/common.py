@@ -38,11 +38,12 @@ def cell_summaries(root: Path, prefix: str, archive: Path | None = None) -> list
     """The finished cells ``root/<prefix>-*/summary.json`` joined with the archived ones
     ``archive/<prefix>-*.json`` (:func:`archive_cell`), sorted by name. A cell in both is the runs
     folder's summary, carrying the archived ``curves`` of the methods whose results it has unchanged
-    (:func:`cell_curves` prefers its metrics.jsonl)."""
+    (:func:`cell_curves` prefers its metrics.jsonl), unless the archived copy has methods that the runs
+    folder's lacks (some of a cell's methods run again into another folder): then the fuller archived copy."""
     cells = {p.parent.name: json.loads(p.read_text()) for p in root.glob(f"{prefix}-*/summary.json")}
     for p in sorted(archive.glob(f"{prefix}-*.json")) if archive is not None else ():
         saved = json.loads(p.read_text())
-        if p.stem not in cells:
+        if p.stem not in cells or drops_methods(saved, cells[p.stem]):
             cells[p.stem] = saved
         elif "curves" in saved:
             same = unchanged_curves(saved, cells[p.stem])
@@ -100,6 +101,12 @@ def cell_curves(root: Path, summary: dict[str, Any], methods: tuple[str, ...]) -
 
 
 ARCHIVE_KEEPS = ("note",)  # hand-written keys of an archived summary that a new copy keeps
+PARTIAL = "partial"  # archive subfolder for summaries that ran only some of an archived cell's methods
+
+
+def drops_methods(archived: dict[str, Any], summary: dict[str, Any]) -> bool:
+    """Whether ``archived`` has results for methods that ``summary`` has none for."""
+    return bool(set(archived.get("results", {})) - set(summary.get("results", {})))
 
 
 def archive_cell(root: Path, name: str, archive: Path, curve_methods: tuple[str, ...] = ()) -> Path | None:
@@ -107,19 +114,24 @@ def archive_cell(root: Path, name: str, archive: Path, curve_methods: tuple[str,
     with ``curves``: those logged in the cell's metrics.jsonl (:func:`logged_curves` of ``curve_methods``)
     joined with the earlier archived curves of the methods whose results are unchanged (a method added
     to an archived cell logs only its own). A ``note`` written by hand into the archived copy is kept.
-    None when the cell has no summary yet."""
+    An archived cell never loses methods: a summary without some of them (a subset of the cell's
+    methods run again into another runs folder, e.g. beside an ablation on the same uploads) goes to
+    ``archive/partial/<runs folder name>/<name>.json`` instead. None when the cell has no summary yet."""
     summary_file = root / name / "summary.json"
     if not summary_file.is_file():
         return None
     summary = json.loads(summary_file.read_text())
     out = archive / f"{name}.json"
     old = json.loads(out.read_text()) if out.is_file() else {}
+    if drops_methods(old, summary):
+        out = archive / PARTIAL / root.resolve().name / f"{name}.json"
+        old = json.loads(out.read_text()) if out.is_file() else {}
     kept = {k: old[k] for k in ARCHIVE_KEEPS if k in old and k not in summary}
     metrics = root / name / "metrics.jsonl"
     logged = logged_curves(metrics, curve_methods) if curve_methods and metrics.is_file() else {}
     joined = {**unchanged_curves(old, summary), **logged} if old else logged
     curves = {"curves": joined} if joined else {}
-    archive.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, {**summary, **kept, **curves})
     return out
 
