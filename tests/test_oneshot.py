@@ -331,11 +331,14 @@ def test_channels_last_changes_the_layout_not_the_result(tmp_path):
 
 
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
-    from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra, FedHydraLog1p
+    from hetfl.fl.method import create_method
+    from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra, FedHydraDenseLoop, FedHydraLog1p
 
     with pytest.raises(ValueError, match="u_transform must be one of"):
         FedHydra({"u_transform": "sqrt"}).check(None)
     assert FedHydraLog1p({}).params["u_transform"] == "log1p" and FedHydra({}).params["u_transform"] == "none"
+    dense_log1p = create_method("fedhydra_dense_log1p", {}).params  # DENSE's loop, only U's transform differs
+    assert dense_log1p == {**FedHydraDenseLoop({}).params, "u_transform": "log1p"}
     U = torch.tensor([[1.0, 1e5, 3.0], [2e3, 0.5, 10.0]], dtype=torch.float64)
     _, plain = normalise_rows_and_columns(U_TRANSFORMS["none"](U))
     _, compressed = normalise_rows_and_columns(U_TRANSFORMS["log1p"](U))

@@ -16,7 +16,8 @@ def test_every_cell_of_the_grid_is_a_valid_config_with_a_unique_name():
     c = paper.cell_config("mnist", "2c/c", 1, "paper")
     assert c["partition"] == {"kind": "2c/c"} and c["client"]["epochs"] == 200
     assert c["methods"]["fedhydra"]["epochs"] == 200 and c["methods"]["fedhydra"]["generator_steps"] == 30
-    assert list(c["methods"]) == ["ensemble", *paper.METHODS, "fedhydra_log1p", "fedhydra_replay", "fedhydra_dense"]
+    assert list(c["methods"]) == ["ensemble", *paper.METHODS, "fedhydra_log1p", "fedhydra_replay", "fedhydra_dense",
+                                  "fedhydra_dense_log1p"]
 
 
 def fake_summary(root, dataset, setting, seed, accs, budget="reduced"):
@@ -530,3 +531,22 @@ def test_one_cache_section_ranks_fedhydra_dense_against_the_baselines_on_means_a
     assert "Minutes per cell (all methods, incl. local training): 3.00 ± 0.00 over 3 cells." in text
     paper.write_results(tmp_path / "runs", tmp_path / "fedhydra.md")
     assert "## All methods on one upload cache" in (tmp_path / "fedhydra.md").read_text()
+    # fedhydra_dense_log1p added to two of the cells: its own row and its own verdict
+    for seed, acc in ((0, 80.0), (1, 52.0)):
+        path = folder / f"{paper.cell_config('mnist', '0.1', seed, 'reduced')['name']}.json"
+        cell = json.loads(path.read_text())
+        cell["results"]["fedhydra_dense_log1p"] = {"accuracy": acc - 1, "best_accuracy": acc}
+        path.write_text(json.dumps(cell))
+    lines = paper.one_cache_report(folder).splitlines()
+    log1p = next(x for x in lines if x.startswith("| FedHydra in DENSE's loop, log1p(U) (ours) |"))
+    assert "| 66.00 ± 19.80 (65.00 ± 19.80) n=2 | - |" in log1p
+    assert [x for x in lines if x.startswith("- 0.1")] == [verdict]  # log1p not in every seed: no verdict yet
+    path = folder / f"{paper.cell_config('mnist', '0.1', 2, 'reduced')['name']}.json"
+    cell = json.loads(path.read_text())
+    cell["results"]["fedhydra_dense_log1p"] = {"accuracy": 70.0, "best_accuracy": 71.0}
+    path.write_text(json.dumps(cell))
+    verdicts = [x for x in paper.one_cache_report(folder).splitlines() if x.startswith("- 0.1")]
+    assert len(verdicts) == 2 and verdicts[0].startswith("- 0.1 (n=3): `fedhydra_dense` first")
+    assert verdicts[0].split(";")[0].endswith(", FedHydra in DENSE's loop, log1p(U) (ours) 67.67")
+    assert verdicts[1].startswith("- 0.1 (n=3): `fedhydra_dense_log1p` first (67.67 vs best baseline 47.00)")
+    assert verdicts[1].endswith("per seed, above every baseline run in 2 of 3")
