@@ -344,6 +344,23 @@ def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
     _, compressed = normalise_rows_and_columns(U_TRANSFORMS["log1p"](U))
     assert torch.equal(plain.argsort(dim=0), compressed.argsort(dim=0))  # same ranking per client
     assert float(compressed.min()) > float(plain.min())  # range compressed: no near-zero weights
+    with pytest.raises(ValueError, match="u_transform_on must be"):
+        FedHydra({"u_transform_on": "cells"}).check(None)
+
+
+def test_u_transform_on_feeds_the_transform_to_one_normalisation_only(tmp_path):
+    from hetfl.methods.fedhydra import normalise_rows_and_columns
+
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"fedhydra": {"epochs": 1, "generator_steps": 2, "batch_size": 8, "strat_batch_size": 4,
+                                   "u_transform": "log1p", "u_transform_on": "columns"}}
+    Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    saved = json.loads((tmp_path / "run" / "fedhydra" / "stratification.json").read_text())
+    U = torch.tensor(saved["U"], dtype=torch.float64)
+    plain_r, _ = normalise_rows_and_columns(U)
+    _, log_c = normalise_rows_and_columns(torch.log1p(U))
+    assert torch.allclose(torch.tensor(saved["U_r"], dtype=torch.float64), plain_r)  # Eq. 5 as written
+    assert torch.allclose(torch.tensor(saved["U_c"], dtype=torch.float64), log_c)  # Eq. 7 on log(1 + U)
 
 
 def test_bad_generator_settings_fail_before_any_training(tmp_path):

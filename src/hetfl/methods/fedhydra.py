@@ -34,6 +34,8 @@ Choices where the paper is silent (stated, and exposed as keys):
   five orders of magnitude (measured on MNIST, Dir(0.1)); Eq. 8 then scales whole classes' logits
   by near-zero weights, and the distilled student inherits that per-class gain (see
   docs/results/fedhydra.md). ``log1p`` keeps the ordering of U and compresses its range.
+  ``u_transform_on: rows | columns`` (default ``both``) feeds the transformed U to U_r (Eq. 5) or
+  U_c (Eq. 7) only, the other from U as written: an ablation of where the compression acts.
 * Ablation keys (not in the paper): ``aggregation: mean`` replaces Eq. 8-11 by the plain average
   of client logits (DENSE's teacher) while keeping FedHydra's losses; ``reset_generator: true``
   re-initialises the generator every epoch as DENSE does (z is still not optimised);
@@ -243,13 +245,17 @@ class FedHydra(DataFreeMethod):
     method_defaults: dict[str, Any] = {"lr": 0.01, "beta": 1.0, "strat_batch_size": 64, "temperature": 1.0,
                                        "u_transform": "none", "aggregation": "stratified",
                                        "reset_generator": False, "column_scale": "sum", "adv_mask": "none",
-                                       "keep": "all", "optimize_z": False, "saturated": "eq2"}
+                                       "keep": "all", "optimize_z": False, "saturated": "eq2",
+                                       "u_transform_on": "both"}
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
         if self.params["u_transform"] not in U_TRANSFORMS:
             raise ValueError(f"fedhydra: u_transform must be one of {sorted(U_TRANSFORMS)}, "
                              f"got {self.params['u_transform']!r}")
+        if self.params["u_transform_on"] not in ("both", "rows", "columns"):
+            raise ValueError("fedhydra: u_transform_on must be 'both', 'rows' (U_r only) or 'columns' (U_c only), "
+                             f"got {self.params['u_transform_on']!r}")
         if self.params["aggregation"] not in AGGREGATIONS:
             raise ValueError(f"fedhydra: aggregation must be one of {list(AGGREGATIONS)}, "
                              f"got {self.params['aggregation']!r}")
@@ -286,6 +292,9 @@ class FedHydra(DataFreeMethod):
             ctx.record["stratification_seconds"] = time.perf_counter() - start
         used = saturate(U, L_min) if self.params["saturated"] == "max" else U
         U_r, U_c = normalise_rows_and_columns(U_TRANSFORMS[self.params["u_transform"]](used))
+        if self.params["u_transform_on"] != "both":  # the transform feeds only one of Eq. 5 / Eq. 7
+            plain_r, plain_c = normalise_rows_and_columns(used)
+            U_r, U_c = (plain_r, U_c) if self.params["u_transform_on"] == "columns" else (U_r, plain_c)
         path.write_text(json.dumps({"U": U.tolist(), "U_r": U_r.tolist(), "U_c": U_c.tolist(),
                                     "L_min": L_min.tolist(), "key": key}))
         plot_weights(U_c, ctx.out_dir / "U_c.png")
