@@ -189,3 +189,15 @@ def test_cli_run_partition_and_errors(tmp_path, tiny_config, capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "cnn2" in out and "fedhydra" in out
+
+
+def test_results_table_columns_line_up_whatever_the_method_names():
+    from hetfl.report import results_table
+
+    row = {"accuracy": 46.37, "best_accuracy": 57.65, "seconds": 39.6, "bytes_up": 590234, "bytes_down": 1843}
+    text = results_table({"fedavg": row, "fedhydra_dense_log1p": {**row, "models": {"student": 12.5}}})
+    lines = text.splitlines()
+    acc_end = lines[0].index("acc %") + len("acc %")  # right-aligned numbers end under their header
+    assert [x[:acc_end].rstrip().endswith("46.37") for x in lines[2:4]] == [True, True]
+    assert len({len(x) for x in lines[:4]}) == 1  # header, rule and rows of one width
+    assert lines[4].startswith("  student") and lines[4][:acc_end].endswith("12.50")

@@ -26,18 +26,19 @@ def human_bytes(n: float) -> str:
 def results_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table: method, final and best accuracy, seconds (wall of this run, server stage,
     local training summed over clients as measured when the uploads were trained), bytes up and down."""
-    header = (f"{'method':<14} {'acc %':>7} {'best %':>7} {'wall s':>8} {'server s':>9} {'clients s':>10} "
+    w = max([14, *(len(name) for name in results)])  # the method column fits the longest name
+    header = (f"{'method':<{w}} {'acc %':>7} {'best %':>7} {'wall s':>8} {'server s':>9} {'clients s':>10} "
               f"{'bytes up':>11} {'bytes down':>11}")
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         server = r.get("server_seconds", r["seconds"])
         cached = " (cached)" if r.get("cached_uploads") else ""
-        lines.append(f"{name:<14} {r['accuracy']:>7.2f} {r['best_accuracy']:>7.2f} {r['seconds']:>8.1f} "
+        lines.append(f"{name:<{w}} {r['accuracy']:>7.2f} {r['best_accuracy']:>7.2f} {r['seconds']:>8.1f} "
                      f"{server:>9.1f} {r.get('client_seconds', 0.0):>10.1f} "
                      f"{human_bytes(r['bytes_up']):>11} {human_bytes(r['bytes_down']):>11}{cached}")
         for sub, acc in (r.get("models") or {}).items():
             if sub != name:
-                lines.append(f"  {sub:<12} {acc:>7.2f}")
+                lines.append(f"  {sub:<{w - 2}} {acc:>7.2f}")
     return "\n".join(lines)
 
 
