@@ -349,7 +349,7 @@ def fake_cell_with_curves(root, dataset, setting, seed, fedhydra=60.0):
 
 
 @pytest.mark.parametrize("which", ["fedhydra", "fedmho"])
-def test_cli_archives_every_finished_cell_beside_the_results_file(tmp_path, monkeypatch, which):
+def test_cli_archives_every_finished_cell_beside_the_results_file(tmp_path, monkeypatch, capsys, which):
     from hetfl.cli import main
     from hetfl.reproduce import common
     from hetfl.reproduce import fedmho as mho
@@ -378,6 +378,16 @@ def test_cli_archives_every_finished_cell_beside_the_results_file(tmp_path, monk
     else:  # FedMHO's Fig. 6 curve is part of the summary: nothing to add
         assert saved == json.dumps({**summary, "note": "written by hand"}, indent=1)
     assert not list(archive.glob("*.tmp"))
+    # two of the cell's methods again into another folder: the full archived cell stays, and the run says where
+    # the subset went
+    capsys.readouterr()
+    assert main(["reproduce", which, "--datasets", "mnist", "--settings", "0.1", "--seeds", "0", "--methods",
+                 "fedavg,feddf", "--out", str(tmp_path / "subset"), "--results", str(tmp_path / "out.md"),
+                 "--quiet"]) == 0
+    assert (archive / f"{name}.json").read_text() == saved
+    partial = archive / "partial" / "subset" / f"{name}.json"
+    assert set(json.loads(partial.read_text())["results"]) - {"ensemble"} == {"fedavg", "feddf"}
+    assert f"{name}: fewer methods than its archived copy, archived as {partial}" in capsys.readouterr().out
 
 
 def test_a_report_from_the_archive_alone_equals_the_report_from_the_runs(tmp_path):

@@ -190,7 +190,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
 
     def archive(name: str) -> None:  # the measured summary (and curves) kept in git beside the results file
-        archive_cell(root, name, archive_folder(results), paper.CURVE_METHODS)
+        saved = archive_cell(root, name, archive_folder(results), paper.CURVE_METHODS)
+        if saved is not None and saved.parent != archive_folder(results):
+            print(f"{name}: fewer methods than its archived copy, archived as {saved}", flush=True)
 
     if args.jobs > 1:
         failed = run_cells_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, quiet=True,
