@@ -147,7 +147,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
     from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import archive_cell, archive_folder, run_cells_parallel, run_missing_methods
+    from hetfl.reproduce.common import archive_and_say, run_cells_parallel, run_missing_methods
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
@@ -190,9 +190,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         return run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
 
     def archive(name: str) -> None:  # the measured summary (and curves) kept in git beside the results file
-        saved = archive_cell(root, name, archive_folder(results), paper.CURVE_METHODS)
-        if saved is not None and saved.parent != archive_folder(results):
-            print(f"{name}: fewer methods than its archived copy, archived as {saved}", flush=True)
+        archive_and_say(root, name, results, paper.CURVE_METHODS)
 
     if args.jobs > 1:
         failed = run_cells_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, quiet=True,

@@ -291,10 +291,9 @@ class FedHydra(DataFreeMethod):
             U, L_min = guidance(L), L.amin(dim=-1)
             ctx.record["stratification_seconds"] = time.perf_counter() - start
         used = saturate(U, L_min) if self.params["saturated"] == "max" else U
-        U_r, U_c = normalise_rows_and_columns(U_TRANSFORMS[self.params["u_transform"]](used))
-        if self.params["u_transform_on"] != "both":  # the transform feeds only one of Eq. 5 / Eq. 7
-            plain_r, plain_c = normalise_rows_and_columns(used)
-            U_r, U_c = (plain_r, U_c) if self.params["u_transform_on"] == "columns" else (U_r, plain_c)
+        on, transformed = self.params["u_transform_on"], U_TRANSFORMS[self.params["u_transform"]](used)
+        U_r, _ = normalise_rows_and_columns(transformed if on in ("both", "rows") else used)  # Eq. 5
+        _, U_c = normalise_rows_and_columns(transformed if on in ("both", "columns") else used)  # Eq. 7
         path.write_text(json.dumps({"U": U.tolist(), "U_r": U_r.tolist(), "U_c": U_c.tolist(),
                                     "L_min": L_min.tolist(), "key": key}))
         plot_weights(U_c, ctx.out_dir / "U_c.png")

@@ -136,6 +136,16 @@ def archive_cell(root: Path, name: str, archive: Path, curve_methods: tuple[str,
     return out
 
 
+def archive_and_say(root: Path, name: str, results: Path, curve_methods: tuple[str, ...] = ()) -> Path | None:
+    """:func:`archive_cell` into the archive beside ``results``, printing where the summary went when
+    it had fewer methods than the archived cell (``partial/``)."""
+    archive = archive_folder(results)
+    saved = archive_cell(root, name, archive, curve_methods)
+    if saved is not None and saved.parent != archive:
+        print(f"{name}: fewer methods than its archived copy, archived as {saved}", flush=True)
+    return saved
+
+
 def stats(values: list[float]) -> str:
     """``mean ± sd`` over seeds (just the value for one seed, ``-`` for none)."""
     if not values:

@@ -319,9 +319,7 @@ def main(args: argparse.Namespace) -> int:
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
         run_cell(cfg, root, Path(args.cache_dir), args.data_root, runner)
-        saved = common.archive_cell(root, cfg["name"], common.archive_folder(results))  # Fig. 6's curve is in it
-        if saved is not None and saved.parent != common.archive_folder(results):
-            print(f"{cfg['name']}: fewer methods than its archived copy, archived as {saved}", flush=True)
+        common.archive_and_say(root, cfg["name"], results)  # Fig. 6's curve is in the summary
         write_results(root, results, notes)
     print(f"wrote {results}")
     return 0
