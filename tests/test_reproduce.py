@@ -560,3 +560,28 @@ def test_one_cache_section_ranks_fedhydra_dense_against_the_baselines_on_means_a
     assert verdicts[0].split(";")[0].endswith(", FedHydra in DENSE's loop, log1p(U) (ours) 67.67")
     assert verdicts[1].startswith("- 0.1 (n=3): `fedhydra_dense_log1p` first (67.67 vs best baseline 47.00)")
     assert verdicts[1].endswith("per seed, above every baseline run in 2 of 3")
+
+
+def test_reduced_t60_differs_from_reduced_only_in_the_server_epochs_and_gets_its_own_one_cache_section(tmp_path):
+    short, long = (paper.cell_config("fmnist", "0.5", 1, b) for b in ("reduced", "reduced-t60"))
+    assert long["name"] == "fedhydra-fmnist-0.5-s1-reduced-t60"
+    assert {k: v for k, v in long.items() if k not in ("name", "methods")} == \
+        {k: v for k, v in short.items() if k not in ("name", "methods")}  # same clients: the cached uploads
+    for m, params in long["methods"].items():
+        assert params == ({**short["methods"][m], "epochs": 60} if "epochs" in params else short["methods"][m])
+    folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
+    folder.mkdir(parents=True)
+    for budget, acc in (("reduced", 60.0), ("reduced-t60", 70.0)):
+        cfg = paper.cell_config("fmnist", "0.5", 0, budget)
+        results = {m: {"accuracy": acc - 1, "best_accuracy": acc} for m in ("ensemble", "fedavg", "dense")}
+        curves = {"dense": [[e, acc - 60 + e / 2] for e in range(1, cfg["methods"]["dense"]["epochs"] + 1)]}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results, "curves": curves}))
+    out = tmp_path / "fedhydra.md"
+    paper.write_results(tmp_path / "runs", out)
+    text = out.read_text()
+    assert "## All methods on one upload cache (budget `reduced`)" in text
+    t60 = text.split("## All methods on one upload cache (budget `reduced-t60`)")[1]
+    assert "| DENSE | 70.00 (69.00) n=1 |" in t60 and "60.00" not in t60  # only that budget's cells
+    for budget in ("reduced", "reduced-t60"):
+        png = paper.one_cache_figure_path(out, "fmnist", budget)
+        assert png.stat().st_size > 0 and f"]({png.name})" in text

@@ -53,6 +53,11 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # Fits the whole 2 x 5 x 3 grid into a few hours on 2 CPU cores; see docs/results/fedhydra.md.
     "reduced": {"client_epochs": 10, "epochs": 20, "generator_steps": 10, "batch_size": 64,
                 "strat_batch_size": 16, "feddf_steps": 1000},
+    # `reduced` with T_g = 60 server epochs: the paper's Fig. 3 (Fashion-MNIST) and Fig. 10 (MNIST) place
+    # FedHydra's peak after about 50 epochs ("can reach the peak at 60 epochs"), past `reduced`'s 20.
+    # Epochs 1-20 of a generator-family method repeat its `reduced` run (per-epoch random streams).
+    "reduced-t60": {"client_epochs": 10, "epochs": 60, "generator_steps": 10, "batch_size": 64,
+                    "strat_batch_size": 16, "feddf_steps": 1000},
 }
 
 
@@ -329,10 +334,28 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
     ``<stem>-curves-<dataset>-<budget>.png`` (:func:`figure_path`); cells come from ``root`` and the
     archive beside ``path``; a dataset with no curves, or with a cell whose curves are not all known
     (runs that are gone), writes nothing where an earlier figure exists (that figure stays)."""
+    cells = _cells(root, budget, common.archive_folder(path))
+    return _plot_cells(cells, root, lambda dataset: figure_path(path, dataset, budget), f"budget {budget}")
+
+
+def one_cache_figure_path(path: Path, dataset: str, budget: str) -> Path:
+    """The per-epoch figure of the one-cache cells of one dataset and budget, next to ``path``."""
+    return path.with_name(f"{path.stem}-one-cache-curves-{dataset}-{budget}.png")
+
+
+def plot_one_cache_curves(path: Path, budget: str) -> list[Path]:
+    """:func:`plot_curves` for the archived one-cache cells (:data:`ONE_CACHE`) of ``budget``."""
+    folder = common.archive_folder(path) / ONE_CACHE
+    cells = budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
+    return _plot_cells(cells, folder, lambda dataset: one_cache_figure_path(path, dataset, budget),
+                       f"one upload cache, budget {budget}")
+
+
+def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Any, title: str) -> list[Path]:
+    """The figures of :func:`plot_curves` for ``cells`` (curves from ``root``), ``out_path(dataset)``."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    cells = _cells(root, budget, common.archive_folder(path))
     written = []
     for dataset in DATASETS:
         main = _main_cells(cells, dataset)
@@ -348,7 +371,7 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
                                    len(mine))
         if not panels:
             continue
-        out = figure_path(path, dataset, budget)
+        out = out_path(dataset)
         complete = all(set(known[s["config"]["name"]]) >= set(CURVE_METHODS) & set(s["results"]) for s in main)
         if out.is_file() and not complete:  # some runs' curves are gone: the earlier, fuller figure stays
             continue
@@ -367,9 +390,10 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("test accuracy (%)")
         handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
-        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
-        fig.suptitle(f"{dataset.upper()}, budget {budget}: mean over seeds, band = min to max", fontsize=9)
-        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=7,
+                   frameon=False)
+        fig.suptitle(f"{dataset.upper()}, {title}: mean over seeds, band = min to max", fontsize=9)
+        fig.tight_layout(rect=(0, 0.12 if len(handles) > 4 else 0.07, 1, 1))
         fig.savefig(out, dpi=110)
         plt.close(fig)
         written.append(out)
@@ -389,7 +413,16 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
             body += "\n\n### Accuracy per server epoch (generator family)\n\n" + "\n\n".join(
                 f"![{f.stem}]({f.name})" for f in figures)
         bodies.append(body)
-    bodies.append(one_cache_report(common.archive_folder(path) / ONE_CACHE))
+    for budget in BUDGETS:  # the one-cache sections, each with its per-epoch figures
+        body = one_cache_report(common.archive_folder(path) / ONE_CACHE, budget)
+        if not body:
+            continue
+        plot_one_cache_curves(path, budget)
+        figures = [f for f in (one_cache_figure_path(path, d, budget) for d in DATASETS) if f.is_file()]
+        if figures:
+            body += "\n\n### Accuracy per server epoch, one upload cache (generator family)\n\n" + "\n\n".join(
+                f"![{f.stem}]({f.name})" for f in figures)
+        bodies.append(body)
     common.write_results(path, HEADER, bodies, notes)
 
 
