@@ -390,10 +390,10 @@ def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Any, title: s
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("test accuracy (%)")
         handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
-        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=7,
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 5), fontsize=7,
                    frameon=False)
         fig.suptitle(f"{dataset.upper()}, {title}: mean over seeds, band = min to max", fontsize=9)
-        fig.tight_layout(rect=(0, 0.12 if len(handles) > 4 else 0.07, 1, 1))
+        fig.tight_layout(rect=(0, 0.12 if len(handles) > 5 else 0.07, 1, 1))
         fig.savefig(out, dpi=110)
         plt.close(fig)
         written.append(out)
