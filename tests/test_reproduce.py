@@ -585,3 +585,10 @@ def test_reduced_t60_differs_from_reduced_only_in_the_server_epochs_and_gets_its
     for budget in ("reduced", "reduced-t60"):
         png = paper.one_cache_figure_path(out, "fmnist", budget)
         assert png.stat().st_size > 0 and f"]({png.name})" in text
+
+
+def test_ordering_without_any_baseline_says_so_instead_of_ranking_first(tmp_path):
+    fake_summary(tmp_path, "fmnist", "0.01", 0, {"ensemble": 20.0, "fedhydra": 40.0}, budget="reduced-t60")
+    text = paper.report(tmp_path, "reduced-t60")
+    assert "- 0.01 (n=1): no baseline ran in every cell, nothing to compare" in text
+    assert "FedHydra first" not in text

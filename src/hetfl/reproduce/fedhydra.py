@@ -277,6 +277,9 @@ def _ordering(cells: list[dict[str, Any]], candidate: str = "fedhydra") -> str:
         runs = [s for s in cells if _setting_of(s["config"]) == setting]
         if not runs or any(candidate not in s["results"] for s in runs):
             continue
+        if not any(m != "fedhydra" and all(m in s["results"] for s in runs) for m in METHODS):
+            verdicts.append(f"{setting} (n={len(runs)}): no baseline ran in every cell, nothing to compare")
+            continue
         mean, verdict = _ranking(runs, "best_accuracy", candidate)
         verdict = f"{setting} (n={len(runs)}): {verdict}"
         for extra in EXTRA:
