@@ -380,12 +380,13 @@ def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Any, title: s
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True, squeeze=False)
         for ax, (setting, (curves, teacher, n)) in zip(axes[0], panels.items()):
-            for i, (m, runs) in enumerate(curves.items()):
+            for m, runs in curves.items():
                 length = min(len(r) for r in runs)
                 acc = np.array([r[:length] for r in runs])
                 epochs = np.arange(1, length + 1)
-                ax.plot(epochs, acc.mean(0), color=f"C{i}", label=LABELS[m], lw=1.4)
-                ax.fill_between(epochs, acc.min(0), acc.max(0), color=f"C{i}", alpha=0.15, lw=0)
+                color = f"C{CURVE_METHODS.index(m)}"  # one colour per method in every figure
+                ax.plot(epochs, acc.mean(0), color=color, label=LABELS[m], lw=1.4)
+                ax.fill_between(epochs, acc.min(0), acc.max(0), color=color, alpha=0.15, lw=0)
             if teacher:
                 ax.axhline(float(np.mean(teacher)), color="gray", ls="--", lw=1, label=LABELS["ensemble"])
             ax.set_title(f"{_label(setting)} (n = {n})", fontsize=9)
