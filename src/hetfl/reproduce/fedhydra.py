@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
     """Markdown for the archived cells in ``folder`` (:data:`ONE_CACHE`): the Table 1/2 grid of the
     methods run, and the place of ``fedhydra_dense`` (``fedhydra`` where every cell ran it) against
     every paper baseline under strong heterogeneity, on the means and per seed."""
-    cells = budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
+    cells = _one_cache_cells(folder, budget)
     lines: list[str] = []
     for dataset in DATASETS:
         main = _main_cells(cells, dataset)
@@ -203,6 +204,11 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
     if not lines:
         return ""
     return "\n".join([f"## All methods on one upload cache (budget `{budget}`)", "", ONE_CACHE_INTRO, *lines])
+
+
+def _one_cache_cells(folder: Path, budget: str) -> list[dict[str, Any]]:
+    """The archived one-cache cells of ``budget`` in ``folder`` (none if there is no such folder)."""
+    return budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
 
 
 def _candidates(cells: list[dict[str, Any]]) -> list[str]:
@@ -349,12 +355,12 @@ def one_cache_figure_path(path: Path, dataset: str, budget: str) -> Path:
 def plot_one_cache_curves(path: Path, budget: str) -> list[Path]:
     """:func:`plot_curves` for the archived one-cache cells (:data:`ONE_CACHE`) of ``budget``."""
     folder = common.archive_folder(path) / ONE_CACHE
-    cells = budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
-    return _plot_cells(cells, folder, lambda dataset: one_cache_figure_path(path, dataset, budget),
+    return _plot_cells(_one_cache_cells(folder, budget), folder,
+                       lambda dataset: one_cache_figure_path(path, dataset, budget),
                        f"one upload cache, budget {budget}")
 
 
-def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Any, title: str) -> list[Path]:
+def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Callable[[str], Path], title: str) -> list[Path]:
     """The figures of :func:`plot_curves` for ``cells`` (curves from ``root``), ``out_path(dataset)``."""
     import matplotlib.pyplot as plt
     import numpy as np
@@ -412,22 +418,26 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     for budget in BUDGETS:
         body = report(root, budget, common.archive_folder(path))
         plot_curves(root, path, budget)
-        figures = [f for f in (figure_path(path, d, budget) for d in DATASETS) if f.is_file()]
-        if figures and "###" in body:  # a budget without cells has no section to hang them on
-            body += "\n\n### Accuracy per server epoch (generator family)\n\n" + "\n\n".join(
-                f"![{f.stem}]({f.name})" for f in figures)
+        if "###" in body:  # a budget without cells has no section to hang its figures on
+            body += _figure_links([figure_path(path, d, budget) for d in DATASETS], "")
         bodies.append(body)
     for budget in BUDGETS:  # the one-cache sections, each with its per-epoch figures
         body = one_cache_report(common.archive_folder(path) / ONE_CACHE, budget)
         if not body:
             continue
         plot_one_cache_curves(path, budget)
-        figures = [f for f in (one_cache_figure_path(path, d, budget) for d in DATASETS) if f.is_file()]
-        if figures:
-            body += "\n\n### Accuracy per server epoch, one upload cache (generator family)\n\n" + "\n\n".join(
-                f"![{f.stem}]({f.name})" for f in figures)
-        bodies.append(body)
+        bodies.append(body + _figure_links([one_cache_figure_path(path, d, budget) for d in DATASETS],
+                                           ", one upload cache"))
     common.write_results(path, HEADER, bodies, notes)
+
+
+def _figure_links(paths: list[Path], where: str) -> str:
+    """A section linking the per-epoch figures among ``paths`` that exist (empty if none does)."""
+    figures = [f for f in paths if f.is_file()]
+    if not figures:
+        return ""
+    return (f"\n\n### Accuracy per server epoch{where} (generator family)\n\n"
+            + "\n\n".join(f"![{f.stem}]({f.name})" for f in figures))
 
 
 def grid(datasets: list[str], settings: list[str], seeds: list[int], budget: str, methods: tuple[str, ...],
