@@ -211,6 +211,66 @@ def _one_cache_cells(folder: Path, budget: str) -> list[dict[str, Any]]:
     return budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
 
 
+VARIANT = "fedhydra_dense_log1p"  # the summary's "ours": the method that reaches the paper's numbers here
+STANDING_INTRO = f"""Ours = `{VARIANT}` (FedHydra in the loop of the authors' public code, with U_r and U_c
+normalised from log(1 + U): our variant; FedHydra as the text specifies collapses at these budgets, see
+the notes). Each budget's columns come from its one-upload-cache cells (sections below): our 3-seed mean
+of the best-over-epochs accuracy, and the paper baseline (FedAvg, OT, FedDF, DENSE, Co-Boosting) with
+the highest such mean on the same uploads. **Bold** = ours above every baseline run in the cell;
+"-" = not run at that budget. The last column compares our highest mean over the budgets with the
+paper's FedHydra."""
+
+
+def standing_report(folder: Path) -> str:
+    """Markdown: one row per Table 1/2 cell with the paper's FedHydra, then, for each budget with
+    one-cache cells in ``folder``, :data:`VARIANT`'s mean and the best baseline's, and the gap to the paper."""
+    budgets = {b: cells for b in BUDGETS if (cells := _one_cache_cells(folder, b))}
+    if not budgets:
+        return ""
+    head = "| dataset | setting | paper FedHydra | " + " | ".join(
+        f"`{b}` ours | `{b}` best baseline" for b in budgets) + " | ours - paper |"
+    lines = [head, "|---|---|---|" + "---|---|" * len(budgets) + "---|"]
+    for dataset in DATASETS:
+        for i, setting in enumerate(SETTINGS):
+            cols, ours = [], {}
+            for budget, cells in budgets.items():
+                runs = [s for s in _main_cells(cells, dataset)
+                        if _setting_of(s["config"]) == setting and VARIANT in s["results"]]
+                mean, best = _variant_and_best_baseline(runs)
+                if mean is None:
+                    cols.append("- | -")
+                    continue
+                ours[budget] = mean
+                above = best is not None and mean > best[1]
+                text = f"{mean:.2f} n={len(runs)}"
+                cols.append(f"{f'**{text}**' if above else text} | "
+                            + (f"{best[1]:.2f} {LABELS[best[0]]}" if best else "none run"))
+            paper = PAPER[dataset]["fedhydra"][i]
+            gap = "-"
+            if ours:
+                top = max(ours, key=ours.get)
+                gap = f"{ours[top] - paper:+.2f} (`{top}`)"
+            lines.append(f"| {dataset.upper()} | {_label(setting)} | {paper:.2f} | " + " | ".join(cols)
+                         + f" | {gap} |")
+    return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
+                      STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
+                      "", *lines])
+
+
+def _variant_and_best_baseline(runs: list[dict[str, Any]]) -> tuple[float | None, tuple[str, float] | None]:
+    """:data:`VARIANT`'s mean best-over-epochs accuracy over ``runs`` (None if there are none), and the
+    paper baseline run in all of them with the highest such mean (None if no baseline ran in all)."""
+    if not runs:
+        return None, None
+    mean = statistics.fmean(s["results"][VARIANT]["best_accuracy"] for s in runs)
+    baselines = {m: statistics.fmean(s["results"][m]["best_accuracy"] for s in runs)
+                 for m in METHODS if m != "fedhydra" and all(m in s["results"] for s in runs)}
+    if not baselines:
+        return mean, None
+    top = max(baselines, key=baselines.get)
+    return mean, (top, baselines[top])
+
+
 def _candidates(cells: list[dict[str, Any]]) -> list[str]:
     """Whose place against the baselines the one-cache section states: FedHydra where every cell ran
     it, else each run of ``fedhydra_dense`` and ``fedhydra_dense_log1p`` (``fedhydra_dense`` if neither)."""
@@ -414,7 +474,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     """The results file ``path`` from the cells in ``root`` and the archive beside ``path``; each
     budget's per-epoch figures are drawn where there are curves and linked wherever a figure exists
     (one drawn from runs that are gone stays linked)."""
-    bodies = []
+    bodies = [standing_report(common.archive_folder(path) / ONE_CACHE)]
     for budget in BUDGETS:
         body = report(root, budget, common.archive_folder(path))
         plot_curves(root, path, budget)
