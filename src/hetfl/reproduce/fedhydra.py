@@ -218,18 +218,20 @@ the notes). Each budget's columns come from its one-upload-cache cells (sections
 of the best-over-epochs accuracy, and the paper baseline (FedAvg, OT, FedDF, DENSE, Co-Boosting) with
 the highest such mean on the same uploads. **Bold** = ours above every baseline run in the cell;
 "-" = not run at that budget. The last column compares our highest mean over the budgets with the
-paper's FedHydra."""
+paper's FedHydra. "as specified" = `fedhydra` (the paper's Alg. 1-3 and Eq. 2-19 as written) on the
+`reduced` grid's cells (uploads of other sessions, so not like for like with the columns after it)."""
 
 
-def standing_report(folder: Path) -> str:
-    """Markdown: one row per Table 1/2 cell with the paper's FedHydra, then, for each budget with
-    one-cache cells in ``folder``, :data:`VARIANT`'s mean and the best baseline's, and the gap to the paper."""
+def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
+    """Markdown: one row per Table 1/2 cell with the paper's FedHydra and FedHydra as specified (its
+    mean over the ``specified`` cells, the `reduced` grid), then, for each budget with one-cache cells
+    in ``folder``, :data:`VARIANT`'s mean and the best baseline's, and the gap to the paper."""
     budgets = {b: cells for b in BUDGETS if (cells := _one_cache_cells(folder, b))}
     if not budgets:
         return ""
-    head = "| dataset | setting | paper FedHydra | " + " | ".join(
+    head = "| dataset | setting | paper FedHydra | as specified, `reduced` | " + " | ".join(
         f"`{b}` ours | `{b}` best baseline" for b in budgets) + " | ours - paper |"
-    lines = [head, "|---|---|---|" + "---|---|" * len(budgets) + "---|"]
+    lines = [head, "|---|---|---|---|" + "---|---|" * len(budgets) + "---|"]
     for dataset in DATASETS:
         for i, setting in enumerate(SETTINGS):
             cols, ours = [], {}
@@ -250,8 +252,11 @@ def standing_report(folder: Path) -> str:
             if ours:
                 top = max(ours, key=ours.get)
                 gap = f"{ours[top] - paper:+.2f} (`{top}`)"
-            lines.append(f"| {dataset.upper()} | {_label(setting)} | {paper:.2f} | " + " | ".join(cols)
-                         + f" | {gap} |")
+            spec = [s["results"]["fedhydra"]["best_accuracy"] for s in _main_cells(specified or [], dataset)
+                    if _setting_of(s["config"]) == setting and "fedhydra" in s["results"]]
+            spec_text = f"{statistics.fmean(spec):.2f} n={len(spec)}" if spec else "-"
+            lines.append(f"| {dataset.upper()} | {_label(setting)} | {paper:.2f} | {spec_text} | "
+                         + " | ".join(cols) + f" | {gap} |")
     return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
                       STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
                       "", *lines])
@@ -474,7 +479,8 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     """The results file ``path`` from the cells in ``root`` and the archive beside ``path``; each
     budget's per-epoch figures are drawn where there are curves and linked wherever a figure exists
     (one drawn from runs that are gone stays linked)."""
-    bodies = [standing_report(common.archive_folder(path) / ONE_CACHE)]
+    archive = common.archive_folder(path)
+    bodies = [standing_report(archive / ONE_CACHE, _cells(root, "reduced", archive))]
     for budget in BUDGETS:
         body = report(root, budget, common.archive_folder(path))
         plot_curves(root, path, budget)
