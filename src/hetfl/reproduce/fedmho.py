@@ -203,6 +203,56 @@ def _ordering(cells: list[dict[str, Any]], dataset: str) -> str:
             + ("; ".join(verdicts) if verdicts else "no cell with every method yet") + ".")
 
 
+STANDING_INTRO = """Mean final-epoch % over the seeds run (n), Table 4 cells; "KL mean" = the authors' code's KD
+reduction (`fedmho_md_klmean`, `fedmho_sd_klmean`); the best baseline is the highest mean among FedAvg,
+FedDF, DENSE, Co-Boosting and FedCVAE-Ens over the same seeds. **Bold** = above that baseline (the
+paper's ordering). The last column is ours minus the paper for MD / SD."""
+
+
+def standing_report(root: Path, archive: Path | None = None) -> str:
+    """Markdown: per budget with Table 4 cells, one row per (dataset, Dir(alpha)): the paper's and our
+    FedMHO, FedMHO-MD and -SD, the authors' KL reduction, the best baseline, and the gap to the paper."""
+    lines: list[str] = []
+    for budget in BUDGETS:
+        main = [s for s in _cells(root, budget, archive) if _variant(s["config"]) == "main"]
+        if not main:
+            continue
+        lines += [f"### Budget `{budget}`", "",
+                  "| dataset | setting | FedMHO paper / ours | MD / SD paper | MD / SD ours | MD / SD ours, KL mean "
+                  "| best baseline | ours - paper (MD / SD) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [_standing_row(main, d, i) for d in DATASETS for i in range(len(SETTINGS))]
+        lines.append("")
+    if not lines:
+        return ""
+    return "\n".join(["## Where the reproduction stands (Table 4, final epoch)", "", STANDING_INTRO, "", *lines])
+
+
+def _standing_row(cells: list[dict[str, Any]], dataset: str, i: int) -> str:
+    runs = [s for s in cells if s["config"]["dataset"] == dataset and _alpha(s["config"]) == SETTINGS[i]]
+
+    def mean(method: str, among: list[dict[str, Any]] = runs) -> float | None:
+        got = [s["results"][method]["accuracy"] for s in among if method in s["results"]]
+        return statistics.fmean(got) if got else None
+
+    def show(value: float | None, bold: bool = False) -> str:
+        return "-" if value is None else (f"**{value:.2f}**" if bold else f"{value:.2f}")
+
+    paper = PAPER[dataset]
+    with_md = [s for s in runs if "fedmho_md" in s["results"]]
+    base = {m: v for m in BASELINES if (v := mean(m, with_md)) is not None}
+    top = max(base, key=base.get) if base else None
+    md, sd = mean("fedmho_md"), mean("fedmho_sd")
+    ours = " / ".join(show(v, top is not None and v is not None and v > base[top]) for v in (md, sd))
+    ours = f"{ours} n={len(with_md)}" if with_md else "not run"
+    gaps = " / ".join("-" if v is None else f"{v - _paper_mean(paper[m][i]):+.2f}"
+                      for m, v in (("fedmho_md", md), ("fedmho_sd", sd)))
+    return (f"| {dataset.upper()} | Dir({SETTINGS[i]}) | {_paper_mean(paper['fedmho'][i]):.2f} / "
+            f"{show(mean('fedmho'))} | {_paper_mean(paper['fedmho_md'][i]):.2f} / "
+            f"{_paper_mean(paper['fedmho_sd'][i]):.2f} | {ours} | "
+            f"{show(mean('fedmho_md_klmean'))} / {show(mean('fedmho_sd_klmean'))} | "
+            f"{f'{base[top]:.2f} {LABELS[top]}' if top else '-'} | {gaps} |")
+
+
 def report(root: Path, budget: str, stem: str = "fedmho", archive: Path | None = None) -> str:
     """Markdown tables of one budget from the cells in ``root`` and the ``archive`` folder; ``stem``
     names the Fig. 6 pictures (``<stem>-fig6-<cell>.png``)."""
@@ -281,7 +331,8 @@ def plot_curves(root: Path, path: Path) -> list[Path]:
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     archive = common.archive_folder(path)
-    common.write_results(path, HEADER, [report(root, budget, path.stem, archive) for budget in BUDGETS], notes)
+    bodies = [standing_report(root, archive), *(report(root, budget, path.stem, archive) for budget in BUDGETS)]
+    common.write_results(path, HEADER, bodies, notes)
     plot_curves(root, path)
 
 
