@@ -653,3 +653,37 @@ def test_fedmho_standing_table_means_the_seeds_ranks_md_sd_against_the_best_base
     mho.write_results(runs, tmp_path / "fedmho.md")
     text = (tmp_path / "fedmho.md").read_text()
     assert text.index("## Where the reproduction stands") < text.index("## Budget `reduced`")
+
+
+def test_fedmho_kd_cost_points_fit_and_figure(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    runs = tmp_path / "runs"
+    for seed, (w0, ours) in enumerate([(50.0, 80.0), (70.0, 80.0), (78.0, 80.0)]):
+        cfg = mho.cell_config("mnist", "0.1", seed, "reduced")
+        gap = ours - w0
+        results = {"fedmho": {"accuracy": ours, "best_accuracy": ours, "init_accuracy": w0},
+                   "fedmho_md": {"accuracy": ours - (1.0 + 0.5 * gap), "best_accuracy": ours},  # cost = 1 + gap / 2
+                   "fedmho_sd": {"accuracy": ours + 1.0, "best_accuracy": ours + 1.0}}  # above FedMHO: cost -1
+        (runs / cfg["name"]).mkdir(parents=True)
+        (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    cfg = mho.cell_config("fmnist", "0.1", 0, "reduced")  # no w_0 recorded: no point
+    (runs / cfg["name"]).mkdir(parents=True)
+    (runs / cfg["name"] / "summary.json").write_text(json.dumps(
+        {"config": cfg, "results": {"fedmho": {"accuracy": 60.0, "best_accuracy": 60.0},
+                                    "fedmho_md": {"accuracy": 50.0, "best_accuracy": 50.0}}}))
+    points = mho.kd_costs(mho._cells(runs, "reduced"))
+    assert sorted(points["fedmho_md"]) == [(2.0, 2.0), (10.0, 6.0), (30.0, 16.0)]
+    assert sorted(points["fedmho_sd"]) == [(2.0, -1.0), (10.0, -1.0), (30.0, -1.0)]
+    assert set(points) == {"fedmho_md", "fedmho_sd"}  # the Fashion cell without w_0 added nothing
+    out = tmp_path / "fedmho.md"
+    text = mho.kd_cost_report(runs, out)
+    md = next(x for x in text.splitlines() if x.startswith("| FedMHO-MD |"))
+    assert md == "| FedMHO-MD | 3 | 8.00 | 3 of 3 | +1.00 +0.500 x | 1.00 |"
+    sd = next(x for x in text.splitlines() if x.startswith("| FedMHO-SD |"))
+    assert sd == "| FedMHO-SD | 3 | -1.00 | 0 of 3 | - | - |"  # a constant cost has no correlation
+    assert "MD/SD above FedMHO by 1.55-8.90 points" in text  # from the paper's Table 4
+    figure = tmp_path / "fedmho-kd-cost-reduced.png"
+    assert figure.stat().st_size > 0 and f"]({figure.name})" in text
+    mho.write_results(runs, out)
+    assert "### What the KD term costs FedMHO (budget `reduced`)" in out.read_text()

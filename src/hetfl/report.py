@@ -95,6 +95,33 @@ def plot_accuracy_lines(curves: dict[str, list[tuple[int, float]]], path: Path, 
     return True
 
 
+def plot_scatter_fits(points: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str,
+                      title: str = "") -> bool:
+    """One scatter per label with its least-squares line (labels with at least 3 points get a line)."""
+    points = {k: v for k, v in points.items() if v}
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for i, (name, pts) in enumerate(points.items()):
+        xs, ys = zip(*pts)
+        ax.scatter(xs, ys, s=16, color=f"C{i}", label=f"{name} (n={len(pts)})")
+        if len(pts) >= 3 and len(set(xs)) > 1:
+            fit = np.polyfit(xs, ys, 1)
+            grid = np.linspace(min(xs), max(xs), 2)
+            ax.plot(grid, np.polyval(fit, grid), color=f"C{i}", lw=1)
+    ax.axhline(0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_curves(metrics_file: Path, path: Path) -> bool:
     """Test accuracy against round/epoch for every method that logged more than one point."""
     return plot_accuracy_lines(read_curves(metrics_file), path)

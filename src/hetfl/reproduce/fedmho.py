@@ -253,6 +253,66 @@ def _standing_row(cells: list[dict[str, Any]], dataset: str, i: int) -> str:
             f"{f'{base[top]:.2f} {LABELS[top]}' if top else '-'} | {gaps} |")
 
 
+KD_VARIANTS = ("fedmho_md", "fedmho_sd", "fedmho_md_klmean", "fedmho_sd_klmean")
+KD_COST_INTRO = """Each point is one Table 4 cell and seed: x = FedMHO minus w_0 (how far the KD teachers' side,
+the classifiers' average w_0, is below what CE alone reaches on the synthetic set), y = FedMHO minus
+the KD variant (what the KD term costs; above 0 = the variant is below plain FedMHO). Final-epoch %.
+The paper has y < 0 in every MNIST/Fashion cell (MD/SD above FedMHO by {low:.2f}-{high:.2f} points)."""
+
+
+def _paper_kd_gains() -> list[float]:
+    """The paper's FedMHO-MD/SD minus FedMHO, over its MNIST and Fashion-MNIST Table 4 cells."""
+    return [_paper_mean(PAPER[d][m][i]) - _paper_mean(PAPER[d]["fedmho"][i])
+            for d in DATASETS for m in ("fedmho_md", "fedmho_sd") for i in range(len(SETTINGS))]
+
+
+def kd_costs(cells: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per KD variant, one ``(FedMHO - w_0, FedMHO - variant)`` point (final %) per cell that ran both."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for s in cells:
+        r = s["results"]
+        if r.get("fedmho", {}).get("init_accuracy") is None:
+            continue
+        gap = r["fedmho"]["accuracy"] - r["fedmho"]["init_accuracy"]
+        for m in KD_VARIANTS:
+            if m in r:
+                points.setdefault(m, []).append((gap, r["fedmho"]["accuracy"] - r[m]["accuracy"]))
+    return points
+
+
+def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
+    """Markdown, per budget with Table 4 cells: what each KD variant costs against plain FedMHO, and a
+    least-squares fit of that cost on FedMHO - w_0 (drawn as ``<stem>-kd-cost-<budget>.png`` beside ``path``)."""
+    from hetfl.report import plot_scatter_fits
+
+    lines: list[str] = []
+    for budget in BUDGETS:
+        main = [s for s in _cells(root, budget, archive) if _variant(s["config"]) == "main"]
+        points = kd_costs(main)
+        if not points:
+            continue
+        gains = _paper_kd_gains()
+        lines += [f"### What the KD term costs FedMHO (budget `{budget}`)", "",
+                  KD_COST_INTRO.format(low=min(gains), high=max(gains)), "",
+                  "| variant | points | mean cost | below FedMHO in | fit: cost = a + b x (FedMHO - w_0) | r |",
+                  "|---|---|---|---|---|---|"]
+        for m, pts in points.items():
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            fit, r = "-", "-"
+            if len(pts) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
+                line = statistics.linear_regression(xs, ys)
+                fit, r = f"{line.intercept:+.2f} {line.slope:+.3f} x", f"{statistics.correlation(xs, ys):.2f}"
+            lines.append(f"| {LABELS[m]} | {len(pts)} | {statistics.fmean(ys):.2f} | "
+                         f"{sum(y > 0 for y in ys)} of {len(ys)} | {fit} | {r} |")
+        figure = path.with_name(f"{path.stem}-kd-cost-{budget}.png")
+        if plot_scatter_fits({LABELS[m]: pts for m, pts in points.items()}, figure,
+                             "FedMHO - w_0 (final %)", "FedMHO - KD variant (final %)",
+                             f"FedMHO: cost of the KD term, budget {budget}"):
+            lines += ["", f"![KD cost, {budget}]({figure.name})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def report(root: Path, budget: str, stem: str = "fedmho", archive: Path | None = None) -> str:
     """Markdown tables of one budget from the cells in ``root`` and the ``archive`` folder; ``stem``
     names the Fig. 6 pictures (``<stem>-fig6-<cell>.png``)."""
@@ -331,7 +391,10 @@ def plot_curves(root: Path, path: Path) -> list[Path]:
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     archive = common.archive_folder(path)
-    bodies = [standing_report(root, archive), *(report(root, budget, path.stem, archive) for budget in BUDGETS)]
+    standing = standing_report(root, archive)
+    if standing:
+        standing += "\n\n" + kd_cost_report(root, path, archive)
+    bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS)]
     common.write_results(path, HEADER, bodies, notes)
     plot_curves(root, path)
 
