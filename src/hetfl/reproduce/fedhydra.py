@@ -267,13 +267,9 @@ def _variant_and_best_baseline(runs: list[dict[str, Any]]) -> tuple[float | None
     paper baseline run in all of them with the highest such mean (None if no baseline ran in all)."""
     if not runs:
         return None, None
-    mean = statistics.fmean(s["results"][VARIANT]["best_accuracy"] for s in runs)
-    baselines = {m: statistics.fmean(s["results"][m]["best_accuracy"] for s in runs)
-                 for m in METHODS if m != "fedhydra" and all(m in s["results"] for s in runs)}
-    if not baselines:
-        return mean, None
-    top = max(baselines, key=baselines.get)
-    return mean, (top, baselines[top])
+    mean = _means(runs, "best_accuracy")
+    top = _best_baseline(mean)
+    return mean[VARIANT], ((top, mean[top]) if top else None)
 
 
 def _candidates(cells: list[dict[str, Any]]) -> list[str]:
@@ -324,13 +320,24 @@ def _name(candidate: str) -> str:
 def _ranking(runs: list[dict[str, Any]], key: str, candidate: str = "fedhydra") -> tuple[dict[str, float], str]:
     """Mean ``key`` accuracy of every method run in all ``runs``, and ``candidate``'s place against the
     best paper baseline: ``FedHydra first (a vs best baseline b)`` or ``FedHydra below X (a vs b)``."""
-    mean = {m: statistics.fmean(s["results"][m][key] for s in runs)
-            for m in (*METHODS, *EXTRA) if all(m in s["results"] for s in runs)}
-    others = {m: v for m, v in mean.items() if m not in ("fedhydra", *EXTRA)}
-    best_other = max(others, key=others.get) if others else None
-    ok = best_other is None or mean[candidate] > others[best_other]
+    mean = _means(runs, key)
+    best_other = _best_baseline(mean)
+    ok = best_other is None or mean[candidate] > mean[best_other]
     place = f"{_name(candidate)} first" if ok else f"{_name(candidate)} below {LABELS[best_other]}"
-    return mean, f"{place} ({mean[candidate]:.2f} vs best baseline {others.get(best_other, float('nan')):.2f})"
+    best = mean[best_other] if best_other else float("nan")
+    return mean, f"{place} ({mean[candidate]:.2f} vs best baseline {best:.2f})"
+
+
+def _means(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Mean ``key`` accuracy of every method (the paper's and ours) run in all ``runs``."""
+    return {m: statistics.fmean(s["results"][m][key] for s in runs)
+            for m in (*METHODS, *EXTRA) if all(m in s["results"] for s in runs)}
+
+
+def _best_baseline(mean: dict[str, float]) -> str | None:
+    """The paper baseline (not FedHydra, not our variants) with the highest mean, None if none ran."""
+    others = {m: v for m, v in mean.items() if m not in ("fedhydra", *EXTRA)}
+    return max(others, key=others.get) if others else None
 
 
 def _wins(runs: list[dict[str, Any]], candidate: str) -> int:
@@ -482,13 +489,13 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     archive = common.archive_folder(path)
     bodies = [standing_report(archive / ONE_CACHE, _cells(root, "reduced", archive))]
     for budget in BUDGETS:
-        body = report(root, budget, common.archive_folder(path))
+        body = report(root, budget, archive)
         plot_curves(root, path, budget)
         if "###" in body:  # a budget without cells has no section to hang its figures on
             body += _figure_links([figure_path(path, d, budget) for d in DATASETS], "")
         bodies.append(body)
     for budget in BUDGETS:  # the one-cache sections, each with its per-epoch figures
-        body = one_cache_report(common.archive_folder(path) / ONE_CACHE, budget)
+        body = one_cache_report(archive / ONE_CACHE, budget)
         if not body:
             continue
         plot_one_cache_curves(path, budget)
