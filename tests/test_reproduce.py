@@ -587,6 +587,16 @@ def test_reduced_t60_differs_from_reduced_only_in_the_server_epochs_and_gets_its
         assert png.stat().st_size > 0 and f"]({png.name})" in text
 
 
+def test_reduced_t60_g30_differs_from_reduced_t60_only_in_the_generator_steps():
+    t60, g30 = (paper.cell_config("mnist", "0.3", 2, b) for b in ("reduced-t60", "reduced-t60-g30"))
+    assert g30["name"] == "fedhydra-mnist-0.3-s2-reduced-t60-g30"
+    assert {k: v for k, v in g30.items() if k not in ("name", "methods")} == \
+        {k: v for k, v in t60.items() if k not in ("name", "methods")}  # same clients: the cached uploads
+    for m, params in g30["methods"].items():
+        steps = {"generator_steps": 30} if "generator_steps" in params else {}
+        assert params == {**t60["methods"][m], **steps}
+
+
 def test_ordering_without_any_baseline_says_so_instead_of_ranking_first(tmp_path):
     fake_summary(tmp_path, "fmnist", "0.01", 0, {"ensemble": 20.0, "fedhydra": 40.0}, budget="reduced-t60")
     text = paper.report(tmp_path, "reduced-t60")
