@@ -223,7 +223,10 @@ of the best-over-epochs accuracy, and the paper baseline (FedAvg, OT, FedDF, DEN
 the highest such mean on the same uploads. **Bold** = ours above every baseline run in the cell;
 "-" = not run at that budget. The last column compares our highest mean over the budgets with the
 paper's FedHydra. "as specified" = `fedhydra` (the paper's Alg. 1-3 and Eq. 2-19 as written) on the
-`reduced` grid's cells (uploads of other sessions, so not like for like with the columns after it)."""
+`reduced` grid's cells (uploads of other sessions, so not like for like with the columns after it).
+FedAvg, OT and FedDF do not depend on the generator budget (T_g, T_G): on the same uploads they repeat
+their numbers at every budget, so a budget where only ours ran ("none run") is compared with them
+through the column of another budget."""
 
 
 def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
