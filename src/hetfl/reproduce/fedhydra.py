@@ -47,22 +47,22 @@ ABLATION = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.0), (0.0, 0.
 PAPER_ABLATION = {"mnist": [88.75, 84.61, 83.29, 81.54, 76.19, 74.14],
                   "fmnist": [77.20, 76.72, 76.07, 73.72, 70.64, 69.38]}
 
+# Fits the whole 2 x 5 x 3 grid into a few hours on 2 CPU cores; see docs/results/fedhydra.md.
+REDUCED: dict[str, Any] = {"client_epochs": 10, "epochs": 20, "generator_steps": 10, "batch_size": 64,
+                           "strat_batch_size": 16, "feddf_steps": 1000}
 BUDGETS: dict[str, dict[str, Any]] = {
     # The paper's Sec. 4.1.5: local E = 200, T_g = 200, T_G = 30 (batch 256 as DENSE's README).
     "paper": {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
               "strat_batch_size": 64, "feddf_steps": 10000},
-    # Fits the whole 2 x 5 x 3 grid into a few hours on 2 CPU cores; see docs/results/fedhydra.md.
-    "reduced": {"client_epochs": 10, "epochs": 20, "generator_steps": 10, "batch_size": 64,
-                "strat_batch_size": 16, "feddf_steps": 1000},
+    "reduced": REDUCED,
     # `reduced` with T_g = 60 server epochs: the paper's Fig. 3 (Fashion-MNIST) and Fig. 10 (MNIST) place
     # FedHydra's peak after about 50 epochs ("can reach the peak at 60 epochs"), past `reduced`'s 20.
     # Epochs 1-20 of a generator-family method repeat its `reduced` run (per-epoch random streams).
-    "reduced-t60": {"client_epochs": 10, "epochs": 60, "generator_steps": 10, "batch_size": 64,
-                    "strat_batch_size": 16, "feddf_steps": 1000},
-    # `reduced-t60` with the paper's T_G = 30 generator steps per epoch (same clients, same uploads):
-    # three times the generation cost; measured on the weak Fashion-MNIST cells (eighteenth session).
-    "reduced-t60-g30": {"client_epochs": 10, "epochs": 60, "generator_steps": 30, "batch_size": 64,
-                        "strat_batch_size": 16, "feddf_steps": 1000},
+    # Both longer budgets keep `reduced`'s clients, so they run on the same cached uploads.
+    "reduced-t60": {**REDUCED, "epochs": 60},
+    # `reduced-t60` with the paper's T_G = 30 generator steps per epoch: three times the generation
+    # cost; measured on the weak Fashion-MNIST cells (eighteenth session).
+    "reduced-t60-g30": {**REDUCED, "epochs": 60, "generator_steps": 30},
 }
 
 
