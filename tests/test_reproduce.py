@@ -120,6 +120,8 @@ def test_epoch_curves_dedupe_resumed_epochs_and_plot_one_figure_per_dataset(tmp_
     assert paper.epoch_curves(tmp_path, summary) == {"dense": [10.0, 20.0, 33.0], "fedhydra": [6.0, 7.0]}
     written = paper.plot_curves(tmp_path, tmp_path / "out.md", "reduced")
     assert [p.name for p in written] == ["out-curves-mnist-reduced.png"] and written[0].stat().st_size > 0
+    import matplotlib.image
+    assert matplotlib.image.imread(written[0]).shape[1] >= 700  # one panel: still wide enough for title and legend
     paper.write_results(tmp_path, tmp_path / "out.md")
     assert "![out-curves-mnist-reduced](out-curves-mnist-reduced.png)" in (tmp_path / "out.md").read_text()
     assert paper.plot_curves(tmp_path, tmp_path / "out.md", "paper") == []  # no cell at that budget

@@ -463,7 +463,8 @@ def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Callable[[str
         complete = all(set(known[s["config"]["name"]]) >= set(CURVE_METHODS) & set(s["results"]) for s in main)
         if out.is_file() and not complete:  # some runs' curves are gone: the earlier, fuller figure stays
             continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), sharey=True, squeeze=False)
+        width = max(3.2 * len(panels), 6.4)  # one panel alone still fits the title and the legend
+        fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.6), sharey=True, squeeze=False)
         for ax, (setting, (curves, teacher, n)) in zip(axes[0], panels.items()):
             for m, runs in curves.items():
                 length = min(len(r) for r in runs)
