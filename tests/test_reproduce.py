@@ -699,3 +699,39 @@ def test_fedmho_kd_cost_points_fit_and_figure(tmp_path):
     assert figure.stat().st_size > 0 and f"]({figure.name})" in text
     mho.write_results(runs, out)
     assert "### What the KD term costs FedMHO (budget `reduced`)" in out.read_text()
+
+
+def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figure(tmp_path):
+    folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
+    folder.mkdir(parents=True)
+    methods = ("ensemble", "fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra_dense_log1p")
+    # (K, seed): accuracy of every method; ours above the baselines except at K = 50
+    cells = {(5, 0): 80.0, (5, 1): 10.0, (10, 0): 70.0, (50, 0): 50.0}
+    for (k, seed), acc in cells.items():
+        cfg = paper.cell_config("mnist", "0.5", seed, "reduced", clients=k)
+        accs = {m: acc for m in methods} | {"fedhydra_dense_log1p": acc + (-5.0 if k == 50 else 5.0)}
+        results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results, "minutes": k / 5}))
+    assert paper.cell_config("mnist", "0.5", 0, "reduced", clients=10)["name"] == "fedhydra-mnist-0.5-m10-s0-reduced"
+    text = paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", tmp_path / "fedhydra.md", "reduced"))
+    lines = text.splitlines()
+    assert lines[0] == "## Client-count sweep (Tables 4 and 7 protocol, budget `reduced`)"
+    rows = [x for x in lines if x.startswith("| 5 |") or x.startswith("| 10 |") or x.startswith("| 50 |")]
+    assert [r.split(" |")[0] for r in rows] == ["| 5", "| 10", "| 50"]  # ours, in K order
+    assert rows[0].startswith("| 5 | 80.00 (79.00) n=1 |")  # seed 0 only: seed 1 did not sweep
+    assert rows[2].endswith("| 45.00 (44.00) n=1 | 10.00 |")  # ours, then the cell's minutes
+    verdict = next(x for x in lines if x.startswith("`fedhydra_dense_log1p` against"))
+    assert "K = 10: above FedAvg (75.00 vs 70.00)" in verdict and "K = 50: below FedAvg (45.00 vs 50.00)" in verdict
+    assert "| SVHN (Table 4) | 100 | 23.69 | 35.23 | 50.37 | 48.87 | 53.64 | 60.01 |" in lines
+    assert "| CIFAR-10 (Table 7) | 5 | 38.26 |" in text
+    # the Table 1 sections leave the sweep cells out; the results file links one figure per sweep
+    assert "m10" not in paper.one_cache_report(folder) and "| 70.00" not in paper.one_cache_report(folder)
+    out = tmp_path / "fedhydra.md"
+    paper.write_results(tmp_path / "runs", out)
+    png = paper.client_sweep_figure_path(out, "mnist", "0.5", "reduced")
+    assert png.stat().st_size > 0 and f"]({png.name})" in out.read_text()
+    assert paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", tmp_path / "other.md", "reduced")) == ""
+    # a sweep run with the default results file is archived beside it, not in one-cache: still reported
+    for f in folder.glob("*.json"):
+        f.rename(folder.parent / f.name)
+    assert paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", out, "reduced")) == text

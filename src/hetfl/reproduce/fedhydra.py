@@ -1,4 +1,5 @@
-"""`hetfl reproduce fedhydra`: FedHydra's Tables 1, 2 and 6 on MNIST and Fashion-MNIST.
+"""`hetfl reproduce fedhydra`: FedHydra's Tables 1, 2 and 6 on MNIST and Fashion-MNIST, and the
+client-count sweep of its Tables 4 and 7 (`--clients`; the paper's SVHN / CIFAR-10 rows for the trend).
 
 Every cell (dataset x setting x seed) is one simulator run with all six methods on the same cached
 client uploads; finished cells are skipped, so the command resumes after an interruption. After
@@ -208,6 +209,139 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
     if not lines:
         return ""
     return "\n".join([f"## All methods on one upload cache (budget `{budget}`)", "", ONE_CACHE_INTRO, *lines])
+
+
+# Table 4 (SVHN) and Table 7 (CIFAR-10): top-1 % per client count K at the paper's default alpha = 0.5
+# (Sec. 4.1.2), columns FedAvg, OT, FedDF, DENSE, Co-Boosting, FedHydra. Neither dataset is on this
+# machine, so the sweep runs on MNIST / Fashion-MNIST and these rows give the trend to compare with.
+PAPER_CLIENTS: dict[str, dict[int, list[float]]] = {
+    "SVHN (Table 4)": {
+        5: [65.50, 78.24, 80.20, 79.44, 81.06, 82.39], 10: [43.45, 58.62, 70.20, 69.51, 75.92, 77.13],
+        20: [47.87, 56.76, 69.36, 69.10, 70.01, 76.54], 50: [36.77, 45.68, 68.30, 67.74, 67.93, 74.89],
+        100: [23.69, 35.23, 50.37, 48.87, 53.64, 60.01]},
+    "CIFAR-10 (Table 7)": {
+        5: [38.26, 52.88, 54.81, 58.48, 62.88, 63.15], 10: [41.71, 47.86, 50.17, 55.43, 61.56, 61.58],
+        20: [33.47, 44.26, 38.70, 42.50, 53.49, 59.64], 50: [31.75, 40.37, 37.85, 39.09, 45.21, 52.66],
+        100: [27.23, 37.18, 33.90, 36.25, 38.96, 47.40]},
+}
+SWEEP_INTRO = """The paper sweeps the client count K on SVHN (Table 4) and CIFAR-10 (Table 7), datasets this
+offline machine does not have; we run the same sweep (`--clients`) on MNIST / Fashion-MNIST, so only the
+trends compare: the paper's tables follow ours. Each K is its own partition of the same dataset (Dirichlet
+with min_size 10, the same seed) and its own upload cache, shared by every method at that K; K = 5 is the
+Table 1 cell of the same seed. Ours = best-over-epochs % (final %)."""
+
+
+def _sweep_groups(cells: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, list[dict[str, Any]]]]:
+    """``{(dataset, setting): {K: cells}}`` for every (dataset, setting) with a client-count sweep
+    cell (K != 5, paper lambdas); K = 5 holds the Table 1/2 cells of the seeds the sweep ran."""
+    groups: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+    for s in cells:
+        cfg = s["config"]
+        if cfg["clients"] != 5 and not _is_ablation(cfg):
+            groups.setdefault((cfg["dataset"], _setting_of(cfg)), {}).setdefault(cfg["clients"], []).append(s)
+    for (dataset, setting), per_k in groups.items():
+        seeds = {s["config"]["seed"] for runs in per_k.values() for s in runs}
+        base = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == setting
+                and s["config"]["seed"] in seeds]
+        if base:
+            per_k[5] = base
+    return {key: dict(sorted(per_k.items())) for key, per_k in sorted(groups.items())}
+
+
+def _sweep_methods(per_k: dict[int, list[dict[str, Any]]]) -> tuple[str, ...]:
+    """The methods run at every K of one sweep, in the report's order."""
+    return tuple(m for m in ("ensemble", *METHODS, *EXTRA)
+                 if all(m in s["results"] for runs in per_k.values() for s in runs))
+
+
+def sweep_cells(root: Path, path: Path, budget: str) -> list[dict[str, Any]]:
+    """The cells of ``budget`` a client-count sweep reads: the archived one-cache cells beside the
+    results file ``path``, then the runs in ``root`` and the main archive (a cell in both: one-cache wins)."""
+    archive = common.archive_folder(path)
+    cells = {s["config"]["name"]: s for s in _cells(root, budget, archive)}
+    cells.update({s["config"]["name"]: s for s in _one_cache_cells(archive / ONE_CACHE, budget)})
+    return list(cells.values())
+
+
+def client_sweep_report(cells: list[dict[str, Any]], budget: str = "reduced") -> str:
+    """Markdown for the client-count sweep (Table 4/7 protocol) among ``cells`` (:func:`sweep_cells`):
+    one row per K, one column per method run at every K, the place of :data:`VARIANT` per K, and the
+    paper's SVHN and CIFAR-10 tables for the trend."""
+    groups = _sweep_groups(cells)
+    if not groups:
+        return ""
+    lines = [f"## Client-count sweep (Tables 4 and 7 protocol, budget `{budget}`)", "", SWEEP_INTRO]
+    for (dataset, setting), per_k in groups.items():
+        methods = _sweep_methods(per_k)
+        title = f"### {dataset.upper()}, {_label(setting)}: ours = best-over-epochs % (final %) per client count K"
+        lines += ["", title,
+                  "", "| K | " + " | ".join(LABELS[m] for m in methods) + " | minutes per cell |",
+                  "|---|" + "---|" * (len(methods) + 1)]
+        for k, runs in per_k.items():
+            minutes = [cell_minutes(s) for s in runs if s.get("minutes")]
+            lines.append(f"| {k} | " + " | ".join(_ours([s["results"][m] for s in runs]) for m in methods)
+                         + f" | {_stats(minutes) if minutes else '-'} |")
+        if VARIANT in methods:
+            lines += ["", _sweep_verdict(per_k)]
+    lines += ["", "### The paper's client-count tables (other datasets, α = 0.5: the trend to compare with)", "",
+              "| dataset | K | " + " | ".join(LABELS[m] for m in METHODS) + " |", "|---|---|" + "---|" * len(METHODS)]
+    for name, table in PAPER_CLIENTS.items():
+        lines += [f"| {name} | {k} | " + " | ".join(f"{v:.2f}" for v in row) + " |" for k, row in table.items()]
+    return "\n".join(lines)
+
+
+def _sweep_verdict(per_k: dict[int, list[dict[str, Any]]]) -> str:
+    """Where :data:`VARIANT` stands against the best paper baseline at each K (mean best over epochs)."""
+    places = []
+    for k, runs in per_k.items():
+        mean = _means(runs, "best_accuracy")
+        top = _best_baseline(mean)
+        if top is None:
+            continue
+        sign = "above" if mean[VARIANT] > mean[top] else "below"
+        places.append(f"K = {k}: {sign} {LABELS[top]} ({mean[VARIANT]:.2f} vs {mean[top]:.2f})")
+    return f"`{VARIANT}` against the best baseline: " + "; ".join(places) + "."
+
+
+def client_sweep_figure_path(path: Path, dataset: str, setting: str, budget: str) -> Path:
+    """The accuracy-versus-K figure of one sweep, next to the results file ``path``."""
+    return path.with_name(f"{path.stem}-clients-{dataset}-{setting.replace('/', '')}-{budget}.png")
+
+
+def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "reduced") -> list[Path]:
+    """One figure per swept (dataset, setting) among ``cells``: mean best-over-epochs accuracy against K
+    (log axis), one line per method run at every K, our variant drawn thicker; the paper's SVHN trend
+    beside it. Written next to ``path`` (:func:`client_sweep_figure_path`)."""
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups = _sweep_groups(cells)
+    for (dataset, setting), per_k in groups.items():
+        methods, ks = _sweep_methods(per_k), list(per_k)
+        fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=False)
+        for i, m in enumerate(methods):
+            acc = [statistics.fmean(s["results"][m]["best_accuracy"] for s in per_k[k]) for k in ks]
+            style = {"lw": 2.4, "marker": "o"} if m == VARIANT else {"lw": 1.2, "marker": "."}
+            axes[0].plot(ks, acc, label=LABELS[m], color="gray" if m == "ensemble" else f"C{i}",
+                         ls="--" if m == "ensemble" else "-", **style)
+        svhn = PAPER_CLIENTS["SVHN (Table 4)"]
+        for i, m in enumerate(METHODS):
+            axes[1].plot(list(svhn), [row[i] for row in svhn.values()], marker=".", lw=1.2, label=LABELS[m])
+        axes[0].set_title(f"{dataset.upper()}, {_label(setting)}, budget {budget} (ours)", fontsize=9)
+        axes[1].set_title("SVHN, α = 0.5: the paper's Table 4", fontsize=9)
+        for ax in axes:
+            ax.set_xscale("log")
+            ax.set_xticks(ks if ax is axes[0] else list(svhn), labels=[str(k) for k in (ks if ax is axes[0] else svhn)])
+            ax.set_xlabel("clients K")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, frameon=False)
+        axes[0].set_ylabel("best test accuracy (%)")
+        fig.tight_layout()
+        out = client_sweep_figure_path(path, dataset, setting, budget)
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    return written
 
 
 def _one_cache_cells(folder: Path, budget: str) -> list[dict[str, Any]]:
@@ -509,6 +643,12 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
         plot_one_cache_curves(path, budget)
         bodies.append(body + _figure_links([one_cache_figure_path(path, d, budget) for d in DATASETS],
                                            ", one upload cache"))
+    for budget in BUDGETS:  # the client-count sweeps, each with its accuracy-versus-K figures
+        cells = sweep_cells(root, path, budget)
+        body = client_sweep_report(cells, budget)
+        if body:
+            figures = plot_client_sweep(cells, path, budget)
+            bodies.append(body + "\n\n" + "\n\n".join(f"![{f.stem}]({f.name})" for f in figures))
     common.write_results(path, HEADER, bodies, notes)
 
 
