@@ -735,3 +735,10 @@ def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figur
     for f in folder.glob("*.json"):
         f.rename(folder.parent / f.name)
     assert paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", out, "reduced")) == text
+
+
+def test_client_sweep_figure_gives_each_method_one_colour_in_both_panels():
+    colours = [paper._sweep_color(m) for m in (*paper.METHODS, *paper.EXTRA)]
+    assert len(set(colours)) == len(colours) and "gray" not in colours
+    assert paper._sweep_color("ensemble") == "gray"
+    assert paper._sweep_color("feddf") == "C2"  # FedDF's line in ours and in the paper's Table 4 panel

@@ -308,6 +308,15 @@ def client_sweep_figure_path(path: Path, dataset: str, setting: str, budget: str
     return path.with_name(f"{path.stem}-clients-{dataset}-{setting.replace('/', '')}-{budget}.png")
 
 
+def _sweep_color(method: str) -> str:
+    """One colour per method in both panels of a sweep figure: a paper method keeps its colour in
+    ours and in the paper's, the teacher is gray, other methods take the colours after the paper's."""
+    if method == "ensemble":
+        return "gray"
+    order = [*METHODS, *(m for m in EXTRA if m not in METHODS)]
+    return f"C{order.index(method) % 10}" if method in order else "black"
+
+
 def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "reduced") -> list[Path]:
     """One figure per swept (dataset, setting) among ``cells``: mean best-over-epochs accuracy against K
     (log axis), one line per method run at every K, our variant drawn thicker; the paper's SVHN trend
@@ -319,14 +328,15 @@ def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "re
     for (dataset, setting), per_k in groups.items():
         methods, ks = _sweep_methods(per_k), list(per_k)
         fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=False)
-        for i, m in enumerate(methods):
+        for m in methods:
             acc = [statistics.fmean(s["results"][m]["best_accuracy"] for s in per_k[k]) for k in ks]
             style = {"lw": 2.4, "marker": "o"} if m == VARIANT else {"lw": 1.2, "marker": "."}
-            axes[0].plot(ks, acc, label=LABELS[m], color="gray" if m == "ensemble" else f"C{i}",
+            axes[0].plot(ks, acc, label=LABELS[m], color=_sweep_color(m),
                          ls="--" if m == "ensemble" else "-", **style)
         svhn = PAPER_CLIENTS["SVHN (Table 4)"]
         for i, m in enumerate(METHODS):
-            axes[1].plot(list(svhn), [row[i] for row in svhn.values()], marker=".", lw=1.2, label=LABELS[m])
+            axes[1].plot(list(svhn), [row[i] for row in svhn.values()], marker=".", lw=1.2, label=LABELS[m],
+                         color=_sweep_color(m))
         axes[0].set_title(f"{dataset.upper()}, {_label(setting)}, budget {budget} (ours)", fontsize=9)
         axes[1].set_title("SVHN, α = 0.5: the paper's Table 4", fontsize=9)
         for ax in axes:
