@@ -341,6 +341,7 @@ def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "re
         axes[1].set_title("SVHN, α = 0.5: the paper's Table 4", fontsize=9)
         for ax in axes:
             ax.set_xscale("log")
+            ax.minorticks_off()  # a short K range would otherwise label minor ticks (6 x 10^0)
             ax.set_xticks(ks if ax is axes[0] else list(svhn), labels=[str(k) for k in (ks if ax is axes[0] else svhn)])
             ax.set_xlabel("clients K")
             ax.grid(alpha=0.3)
