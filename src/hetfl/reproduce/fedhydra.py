@@ -337,7 +337,9 @@ def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "re
         for i, m in enumerate(METHODS):
             axes[1].plot(list(svhn), [row[i] for row in svhn.values()], marker=".", lw=1.2, label=LABELS[m],
                          color=_sweep_color(m))
-        axes[0].set_title(f"{dataset.upper()}, {_label(setting)}, budget {budget} (ours)", fontsize=9)
+        seeds = "/".join(str(len(per_k[k])) for k in ks)
+        axes[0].set_title(f"{dataset.upper()}, {_label(setting)}, budget {budget} (ours; seeds per K: {seeds})",
+                          fontsize=9)
         axes[1].set_title("SVHN, α = 0.5: the paper's Table 4", fontsize=9)
         for ax in axes:
             ax.set_xscale("log")
