@@ -313,8 +313,8 @@ def _sweep_color(method: str) -> str:
     ours and in the paper's, the teacher is gray, other methods take the colours after the paper's."""
     if method == "ensemble":
         return "gray"
-    order = [*METHODS, *(m for m in EXTRA if m not in METHODS)]
-    return f"C{order.index(method) % 10}" if method in order else "black"
+    order = (*METHODS, *EXTRA)
+    return f"C{order.index(method)}" if method in order else "black"
 
 
 def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "reduced") -> list[Path]:
@@ -327,13 +327,13 @@ def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "re
     groups = _sweep_groups(cells)
     for (dataset, setting), per_k in groups.items():
         methods, ks = _sweep_methods(per_k), list(per_k)
+        svhn = PAPER_CLIENTS["SVHN (Table 4)"]
         fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=False)
         for m in methods:
             acc = [statistics.fmean(s["results"][m]["best_accuracy"] for s in per_k[k]) for k in ks]
             style = {"lw": 2.4, "marker": "o"} if m == VARIANT else {"lw": 1.2, "marker": "."}
             axes[0].plot(ks, acc, label=LABELS[m], color=_sweep_color(m),
                          ls="--" if m == "ensemble" else "-", **style)
-        svhn = PAPER_CLIENTS["SVHN (Table 4)"]
         for i, m in enumerate(METHODS):
             axes[1].plot(list(svhn), [row[i] for row in svhn.values()], marker=".", lw=1.2, label=LABELS[m],
                          color=_sweep_color(m))
@@ -341,10 +341,10 @@ def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "re
         axes[0].set_title(f"{dataset.upper()}, {_label(setting)}, budget {budget} (ours; seeds per K: {seeds})",
                           fontsize=9)
         axes[1].set_title("SVHN, α = 0.5: the paper's Table 4", fontsize=9)
-        for ax in axes:
+        for ax, ticks in zip(axes, (ks, list(svhn)), strict=True):
             ax.set_xscale("log")
             ax.minorticks_off()  # a short K range would otherwise label minor ticks (6 x 10^0)
-            ax.set_xticks(ks if ax is axes[0] else list(svhn), labels=[str(k) for k in (ks if ax is axes[0] else svhn)])
+            ax.set_xticks(ticks, labels=[str(k) for k in ticks])
             ax.set_xlabel("clients K")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6, frameon=False)
