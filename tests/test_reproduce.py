@@ -742,3 +742,41 @@ def test_client_sweep_figure_gives_each_method_one_colour_in_both_panels():
     assert len(set(colours)) == len(colours) and "gray" not in colours
     assert paper._sweep_color("ensemble") == "gray"
     assert paper._sweep_color("feddf") == "C2"  # FedDF's line in ours and in the paper's Table 4 panel
+
+
+def test_generator_free_baselines_carry_over_between_budgets_only_on_the_same_uploads(tmp_path):
+    folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
+    folder.mkdir(parents=True)
+
+    def write(budget: str, accs: dict[str, float], feddf_steps: int | None = None) -> None:
+        cfg = paper.cell_config("fmnist", "0.01", 0, budget)
+        if feddf_steps is not None:
+            cfg["methods"]["feddf"]["steps"] = feddf_steps
+        results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results}))
+
+    write("reduced-t60", {"ensemble": 30.0, "fedavg": 40.0, "ot": 20.0, "feddf": 45.0, "fedhydra_dense_log1p": 44.0})
+    g30 = {"ensemble": 30.0, "fedavg": 40.0, "dense": 30.0, "coboosting": 35.0, "fedhydra_dense_log1p": 50.0}
+    write("reduced-t60-g30", g30)
+    section = paper.one_cache_report(folder, "reduced-t60-g30").splitlines()
+    row = {x.split(" | ")[0]: x for x in section if x.startswith("| ")}
+    assert "| 20.00 (19.00) n=1 from `reduced-t60` | 39.56 |" in row["| OT"]
+    assert "| 45.00 (44.00) n=1 from `reduced-t60` |" in row["| FedDF"]
+    assert "from" not in row["| DENSE"] and "from" not in row["| FedAvg"]
+    verdict = next(x for x in section if x.startswith("- 0.01"))
+    assert verdict.startswith("- 0.01 (n=1): `fedhydra_dense_log1p` first (50.00 vs best baseline 45.00)")
+    assert "not compared" not in verdict
+    assert "| 45.00 FedDF |" in next(x for x in paper.standing_report(folder).splitlines() if "| α=0.01 |" in x
+                                     and x.startswith("| FMNIST"))
+    # the source budget's own section is unchanged (nothing carried into a cell that ran the method)
+    t60_rows = [x for x in paper.one_cache_report(folder, "reduced-t60").splitlines() if x.startswith("| ")]
+    assert t60_rows and not any("from `" in x for x in t60_rows)
+    # other uploads (FedAvg differs by a digit): nothing carried, and the verdict says what it lacks
+    write("reduced-t60-g30", {**g30, "fedavg": 40.01})
+    verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
+    assert "not compared: OT, FedDF (not run in every cell)" in verdict
+    # same uploads, but FedDF ran with other parameters there: only OT carries over
+    write("reduced-t60-g30", g30)
+    write("reduced-t60", {"ensemble": 30.0, "fedavg": 40.0, "ot": 20.0, "feddf": 45.0}, feddf_steps=5)
+    verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
+    assert "not compared: FedDF (not run in every cell)" in verdict

@@ -166,7 +166,9 @@ def _table(main: list[dict[str, Any]], dataset: str, methods: tuple[str, ...]) -
             runs = [s["results"][method] for s in main if _setting_of(s["config"]) == setting
                     and method in s["results"]]
             paper = PAPER[dataset].get(method, [None] * 5)[i]
-            row.append(f"{_ours(runs)} | {f'{paper:.2f}' if paper is not None else '-'}")
+            carried = sorted({r["carried_from"] for r in runs if "carried_from" in r})
+            mark = f" from `{'`, `'.join(carried)}`" if carried else ""
+            row.append(f"{_ours(runs)}{mark} | {f'{paper:.2f}' if paper is not None else '-'}")
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -186,7 +188,10 @@ torch thread count), so differences between rows are the server methods alone; t
 mix cells whose methods were added in different sessions, on uploads retrained under other thread
 counts. FedHydra as the text specifies was not re-run here: its row quotes the paper, beside
 `fedhydra_dense` (FedHydra in the loop of the authors' public code) and, where it ran,
-`fedhydra_dense_log1p` (the same with U_r and U_c normalised from log(1 + U): our variant)."""
+`fedhydra_dense_log1p` (the same with U_r and U_c normalised from log(1 + U): our variant).
+OT and FedDF have no generator, so T_g and T_G do not change them: where a budget did not run them,
+"from `B`" marks the same cell's result at budget B, carried over only when FedAvg and the
+ensemble agree to the last digit (the same uploads); they then count as baselines in the ordering."""
 
 
 def one_cache_report(folder: Path, budget: str = "reduced") -> str:
@@ -358,8 +363,49 @@ def plot_client_sweep(cells: list[dict[str, Any]], path: Path, budget: str = "re
 
 
 def _one_cache_cells(folder: Path, budget: str) -> list[dict[str, Any]]:
-    """The archived one-cache cells of ``budget`` in ``folder`` (none if there is no such folder)."""
-    return budget_cells(folder, "fedhydra", budget, folder) if folder.is_dir() else []
+    """The archived one-cache cells of ``budget`` in ``folder`` (none if there is no such folder), with
+    the generator-free baselines they did not run carried over from another budget (:func:`_carry_over`)."""
+    if not folder.is_dir():
+        return []
+    others = {b: budget_cells(folder, "fedhydra", b, folder) for b in BUDGETS if b != budget}
+    return [_carry_over(s, budget, others) for s in budget_cells(folder, "fedhydra", budget, folder)]
+
+
+# Methods without a generator: on the same uploads and seed their result does not depend on T_g or T_G.
+BUDGET_FREE = ("ot", "feddf")
+
+
+def _cell_key(cell: dict[str, Any], budget: str) -> str:
+    return cell["config"]["name"].removesuffix(f"-{budget}")
+
+
+def _same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
+    and FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
+    keys = ("dataset", "seed", "clients", "partition", "client", "server")
+    if any(a["config"].get(k) != b["config"].get(k) for k in keys):
+        return False
+    checks = [m for m in ("fedavg", "ensemble") if m in a["results"] or m in b["results"]]
+    return "fedavg" in checks and all(m in a["results"] and m in b["results"]
+                                      and a["results"][m]["accuracy"] == b["results"][m]["accuracy"] for m in checks)
+
+
+def _carry_over(cell: dict[str, Any], budget: str, others: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """``cell`` with each :data:`BUDGET_FREE` method it lacks taken from the same cell at another budget
+    (first in :data:`BUDGETS` order) where :func:`_same_uploads` holds and the method ran with the
+    parameters this budget gives it; the result gets ``carried_from``: that budget."""
+    missing = [m for m in BUDGET_FREE if m not in cell["results"]]
+    if not missing or "fedavg" not in cell["results"]:
+        return cell
+    key, cfg = _cell_key(cell, budget), cell["config"]
+    params = cell_config(cfg["dataset"], _setting_of(cfg), cfg["seed"], budget, clients=cfg["clients"])["methods"]
+    results = dict(cell["results"])
+    for other, cells in others.items():
+        source = next((s for s in cells if _cell_key(s, other) == key and _same_uploads(cell, s)), None)
+        for m in [m for m in missing if m not in results] if source else []:
+            if m in source["results"] and source["config"]["methods"].get(m) == params[m]:
+                results[m] = {**source["results"][m], "carried_from": other}
+    return {**cell, "results": results}
 
 
 VARIANT = "fedhydra_dense_log1p"  # the summary's "ours": the method that reaches the paper's numbers here
@@ -372,8 +418,9 @@ the highest such mean on the same uploads. **Bold** = ours above every baseline 
 paper's FedHydra. "as specified" = `fedhydra` (the paper's Alg. 1-3 and Eq. 2-19 as written) on the
 `reduced` grid's cells (uploads of other sessions, so not like for like with the columns after it).
 FedAvg, OT and FedDF do not depend on the generator budget (T_g, T_G): on the same uploads they repeat
-their numbers at every budget, so a budget where only ours ran ("none run") is compared with them
-through the column of another budget."""
+their numbers at every budget, so OT and FedDF count in a budget that did not run them where the same
+cell ran them at another budget on the same uploads (sections below), and a budget where only ours ran
+("none run") is compared with them through the column of another budget."""
 
 
 def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
