@@ -402,8 +402,10 @@ def _carry_over(cell: dict[str, Any], budget: str, others: dict[str, list[dict[s
     results = dict(cell["results"])
     for other, cells in others.items():
         source = next((s for s in cells if _cell_key(s, other) == key and _same_uploads(cell, s)), None)
-        for m in [m for m in missing if m not in results] if source else []:
-            if m in source["results"] and source["config"]["methods"].get(m) == params[m]:
+        if source is None:
+            continue
+        for m in missing:
+            if m not in results and m in source["results"] and source["config"]["methods"].get(m) == params[m]:
                 results[m] = {**source["results"][m], "carried_from": other}
     return {**cell, "results": results}
 
