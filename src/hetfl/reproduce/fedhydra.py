@@ -385,9 +385,11 @@ def _same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
     keys = ("dataset", "seed", "clients", "partition", "client", "server")
     if any(a["config"].get(k) != b["config"].get(k) for k in keys):
         return False
-    checks = [m for m in ("fedavg", "ensemble") if m in a["results"] or m in b["results"]]
-    return "fedavg" in checks and all(m in a["results"] and m in b["results"]
-                                      and a["results"][m]["accuracy"] == b["results"][m]["accuracy"] for m in checks)
+    def accuracy(cell: dict[str, Any], method: str) -> float | None:
+        return cell["results"].get(method, {}).get("accuracy")
+
+    # FedAvg must have run in both; the ensemble must agree too (or be absent from both)
+    return accuracy(a, "fedavg") is not None and all(accuracy(a, m) == accuracy(b, m) for m in ("fedavg", "ensemble"))
 
 
 def _carry_over(cell: dict[str, Any], budget: str, others: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
