@@ -201,6 +201,7 @@ def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
     res = summary["results"]
     assert list(res) == ["fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra"]
     assert len({r["bytes_up"] for r in res.values()}) == 1  # byte-identical uploads
+    assert len({r["uploads_sha256"] for r in res.values()}) == 1 and len(res["ot"]["uploads_sha256"]) == 64
     assert all(r["cached_uploads"] == 3 for name, r in res.items() if name != "fedavg")
     strat = json.loads((tmp_path / "fedhydra" / "stratification.json").read_text())
     assert len(strat["U"]) == 4 and len(strat["U"][0]) == 3

@@ -748,11 +748,14 @@ def test_generator_free_baselines_carry_over_between_budgets_only_on_the_same_up
     folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
     folder.mkdir(parents=True)
 
-    def write(budget: str, accs: dict[str, float], feddf_steps: int | None = None) -> None:
+    def write(budget: str, accs: dict[str, float], feddf_steps: int | None = None, digest: str | None = None) -> None:
         cfg = paper.cell_config("fmnist", "0.01", 0, budget)
         if feddf_steps is not None:
             cfg["methods"]["feddf"]["steps"] = feddf_steps
         results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
+        if digest is not None:  # the uploads' sha256, recorded by newer runs in every one-shot method's result
+            results = {m: {**r, "uploads_sha256": digest} for m, r in results.items() if m != "ensemble"} | {
+                "ensemble": results["ensemble"]}
         (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results}))
 
     write("reduced-t60", {"ensemble": 30.0, "fedavg": 40.0, "ot": 20.0, "feddf": 45.0, "fedhydra_dense_log1p": 44.0})
@@ -780,3 +783,11 @@ def test_generator_free_baselines_carry_over_between_budgets_only_on_the_same_up
     write("reduced-t60", {"ensemble": 30.0, "fedavg": 40.0, "ot": 20.0, "feddf": 45.0}, feddf_steps=5)
     verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
     assert "not compared: FedDF (not run in every cell)" in verdict
+    # where both cells recorded their uploads' sha256, it decides: equal accuracies on other bytes carry nothing
+    write("reduced-t60", {"ensemble": 30.0, "fedavg": 40.0, "ot": 20.0, "feddf": 45.0}, digest="a" * 64)
+    write("reduced-t60-g30", g30, digest="b" * 64)
+    verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
+    assert "not compared: OT, FedDF (not run in every cell)" in verdict
+    write("reduced-t60-g30", g30, digest="a" * 64)
+    verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
+    assert "not compared" not in verdict

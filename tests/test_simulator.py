@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from hetfl.cli import main
 from hetfl.config import validate
 from hetfl.engine.simulator import Simulator, prepare
-from hetfl.fl.cache import UploadCache
+from hetfl.fl.cache import UploadCache, uploads_digest
 from hetfl.fl.payload import Payload
 
 
@@ -80,6 +80,17 @@ def test_torn_cache_entry_is_retrained(tmp_path):
     path = next(tmp_path.rglob("*.safetensors"))
     path.write_bytes(path.read_bytes()[:10])
     assert cache.get("ab" + "0" * 62) is None and not path.exists()
+
+
+def test_uploads_digest_names_the_bytes_and_the_clients_not_the_order():
+    a, b = Payload({"w": torch.ones(2)}, {"n": 1}), Payload({"w": torch.zeros(2)}, {"n": 1})
+    digest = uploads_digest({0: a, 1: b})
+    assert digest == uploads_digest({1: b, 0: a}) and len(digest) == 64
+    assert digest != uploads_digest({0: b, 1: a})  # the same bytes from other clients
+    assert digest != uploads_digest({0: a, 1: Payload({"w": torch.zeros(2)}, {"n": 2})})  # metadata counts
+    nudged = torch.zeros(2)
+    nudged[1] = torch.finfo(torch.float32).tiny  # one bit
+    assert digest != uploads_digest({0: a, 1: Payload({"w": nudged}, {"n": 1})})
 
 
 def test_fedavg_equals_the_weighted_average_of_the_uploads(tmp_path, tiny_config):

@@ -28,7 +28,7 @@ import hetfl
 import hetfl.methods  # noqa: F401  (registers methods and client tasks)
 from hetfl.config import client_archs
 from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
-from hetfl.fl.cache import UploadCache, request_key
+from hetfl.fl.cache import UploadCache, request_key, uploads_digest
 from hetfl.fl.client import ClientEnv, handle
 from hetfl.fl.comm import CommLedger
 from hetfl.fl.method import (
@@ -253,6 +253,7 @@ class Simulator:
             uploads = self._exchange(method, ctx, 0, messages, ledger, {}, cacheable=True, timing=timing,
                                      desc=f"{method.name}: local training")
             ctx.record["client_seconds"] = sum(timing.values())
+            ctx.record["uploads_sha256"] = uploads_digest(uploads)
             if self.transport is None:
                 ctx.record["cached_uploads"] = self.cached_calls
             missing = sorted(set(messages) - set(uploads))

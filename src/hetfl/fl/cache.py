@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,15 @@ def request_key(fingerprint: dict[str, Any], message: Payload, device: torch.dev
     for name in sorted(message.tensors):
         digest.update(name.encode())
         digest.update(message.tensors[name].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def uploads_digest(uploads: Mapping[int, Payload]) -> str:
+    """sha256 over the clients' ids and their uploads' bytes (tensors and metadata), in client order:
+    equal digests mean two runs received byte-identical uploads from the same clients."""
+    digest = hashlib.sha256()
+    for cid in sorted(uploads):
+        digest.update(f"{cid}:{hashlib.sha256(uploads[cid].to_bytes()).hexdigest()}\n".encode())
     return digest.hexdigest()
 
 

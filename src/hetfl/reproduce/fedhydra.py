@@ -190,8 +190,9 @@ counts. FedHydra as the text specifies was not re-run here: its row quotes the p
 `fedhydra_dense` (FedHydra in the loop of the authors' public code) and, where it ran,
 `fedhydra_dense_log1p` (the same with U_r and U_c normalised from log(1 + U): our variant).
 OT and FedDF have no generator, so T_g and T_G do not change them: where a budget did not run them,
-"from `B`" marks the same cell's result at budget B, carried over only when FedAvg and the
-ensemble agree to the last digit (the same uploads); they then count as baselines in the ordering."""
+"from `B`" marks the same cell's result at budget B, carried over only on the same uploads: equal
+upload sha256 where both runs recorded it (`uploads_sha256`, runs since 2026-11-25), else FedAvg and
+the ensemble equal to the last digit; they then count as baselines in the ordering."""
 
 
 def one_cache_report(folder: Path, budget: str = "reduced") -> str:
@@ -381,15 +382,24 @@ def _cell_key(cell: dict[str, Any], budget: str) -> str:
 
 def _same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
-    and FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
+    and then, where both recorded it, the same ``uploads_sha256`` in every method's result (runs since
+    that field), else FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
     keys = ("dataset", "seed", "clients", "partition", "client", "server")
     if any(a["config"].get(k) != b["config"].get(k) for k in keys):
         return False
+    digests_a, digests_b = _upload_digests(a), _upload_digests(b)
+    if digests_a and digests_b:
+        return len(digests_a | digests_b) == 1
+
     def accuracy(cell: dict[str, Any], method: str) -> float | None:
         return cell["results"].get(method, {}).get("accuracy")
 
     # FedAvg must have run in both; the ensemble must agree too (or be absent from both)
     return accuracy(a, "fedavg") is not None and all(accuracy(a, m) == accuracy(b, m) for m in ("fedavg", "ensemble"))
+
+
+def _upload_digests(cell: dict[str, Any]) -> set[str]:
+    return {r["uploads_sha256"] for r in cell["results"].values() if "uploads_sha256" in r}
 
 
 def _carry_over(cell: dict[str, Any], budget: str, others: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
