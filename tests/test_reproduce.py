@@ -789,5 +789,12 @@ def test_generator_free_baselines_carry_over_between_budgets_only_on_the_same_up
     verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
     assert "not compared: OT, FedDF (not run in every cell)" in verdict
     write("reduced-t60-g30", g30, digest="a" * 64)
-    verdict = next(x for x in paper.one_cache_report(folder, "reduced-t60-g30").splitlines() if x.startswith("- 0.01"))
-    assert "not compared" not in verdict
+    section = paper.one_cache_report(folder, "reduced-t60-g30").splitlines()
+    assert "not compared" not in next(x for x in section if x.startswith("- 0.01"))
+    assert "Uploads: 1 of 1 cells record `uploads_sha256`; in each, every method" in "\n".join(section)
+    # a cell whose methods record different digests is named in the report
+    name = paper.cell_config("fmnist", "0.01", 0, "reduced-t60-g30")["name"]
+    cell = json.loads((folder / f"{name}.json").read_text())
+    cell["results"]["dense"]["uploads_sha256"] = "c" * 64
+    (folder / f"{name}.json").write_text(json.dumps(cell))
+    assert f"**methods ran on different uploads in {name}**" in paper.one_cache_report(folder, "reduced-t60-g30")

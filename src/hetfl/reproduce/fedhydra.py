@@ -182,6 +182,18 @@ def _minutes(main: list[dict[str, Any]]) -> list[str]:
             f"{len(minutes)} cells" + (f" (device: {', '.join(devices)})." if devices else ".")]
 
 
+def _upload_check(main: list[dict[str, Any]]) -> list[str]:
+    """A line on the cells that record ``uploads_sha256``: whether every method of each (carried-over
+    ones included) ran on the same upload bytes; nothing when no cell records it (runs before 2026-11-25)."""
+    recorded = [s for s in main if _upload_digests(s)]
+    if not recorded:
+        return []
+    mixed = [s["config"]["name"] for s in recorded if len(_upload_digests(s)) > 1]
+    verdict = (f"**methods ran on different uploads in {', '.join(mixed)}**." if mixed
+               else "in each, every method that records it ran on byte-identical uploads.")
+    return ["", f"Uploads: {len(recorded)} of {len(main)} cells record `uploads_sha256`; {verdict}"]
+
+
 ONE_CACHE = "one-cache"  # archive subfolder: cells whose methods all ran on one upload cache (`--cache-dir`)
 ONE_CACHE_INTRO = """Every method of a cell below ran on byte-identical client uploads (one `--cache-dir`, one
 torch thread count), so differences between rows are the server methods alone; the tables above
@@ -209,7 +221,7 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
         rows = tuple(m for m in ("ensemble", *METHODS, *EXTRA)
                      if m == "fedhydra" or any(m in s["results"] for s in main))
         lines += ["", f"### {dataset.upper()}, one upload cache per cell: ours = best-over-epochs % (final %), "
-                  "then the paper's", "", *_table(main, dataset, rows), *_minutes(main)]
+                  "then the paper's", "", *_table(main, dataset, rows), *_minutes(main), *_upload_check(main)]
         for candidate in _candidates(main):
             lines += ["", _ordering(main, candidate)]
     if not lines:
