@@ -235,7 +235,7 @@ class Simulator:
         same one-shot request from another method) is answered from memory, so every one-shot
         method gets the byte-identical upload and the client trains once; bytes are counted as
         if sent, as with the local upload cache."""
-        keys = {cid: (cid, hashlib.sha256(m.to_bytes()).hexdigest()) for cid, m in messages.items()}
+        keys = {cid: (cid, m.sha256()) for cid, m in messages.items()}
         known = {cid: self._answered[k] for cid, k in keys.items() if cacheable and k in self._answered}
         todo = {c: m for c, m in messages.items() if c not in known}
         uploads, failures = self.transport.exchange(round_, todo) if todo else ({}, {})

@@ -45,7 +45,7 @@ def uploads_digest(uploads: Mapping[int, Payload]) -> str:
     equal digests mean two runs received byte-identical uploads from the same clients."""
     digest = hashlib.sha256()
     for cid in sorted(uploads):
-        digest.update(f"{cid}:{hashlib.sha256(uploads[cid].to_bytes()).hexdigest()}\n".encode())
+        digest.update(f"{cid}:{uploads[cid].sha256()}\n".encode())
     return digest.hexdigest()
 
 

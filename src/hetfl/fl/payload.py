@@ -10,6 +10,7 @@ adapter.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -50,6 +51,10 @@ class Payload:
         if not isinstance(meta, dict):
             raise PayloadError("payload metadata must be a JSON object")
         return cls(tensors, meta)
+
+    def sha256(self) -> str:
+        """Hex sha256 of :meth:`to_bytes`: equal digests mean byte-identical payloads."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()
 
     @property
     def nbytes(self) -> int:
