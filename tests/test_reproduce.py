@@ -634,9 +634,17 @@ def test_standing_table_gives_each_cell_the_variant_the_best_baseline_per_budget
         "| MNIST | α=0.5 | 88.75 | - | - | - | 80.00 n=1 | none run | -8.75 (`reduced-t60`) |"
     assert rows[("| MNIST", "α=0.3")] == "| MNIST | α=0.3 | 85.16 | - | - | - | - | - | - |"
     assert rows[("| FMNIST", "2c/c")].endswith("| 39.06 | - | - | - | - | - | - |")
+    rows = paper.standing(folder, specified)
+    assert rows["mnist", "0.1"]["budgets"]["reduced"]["ours"] == [60.0, 64.0]  # per seed, for the error bars
+    assert rows["mnist", "0.1"]["budgets"]["reduced"]["best"] == ("coboosting", 46.0)
+    assert rows["mnist", "0.1"]["specified"] == [30.0, 20.0]
+    assert rows["mnist", "0.3"]["budgets"]["reduced"] == {"ours": [], "best": None}  # no variant run
     paper.write_results(tmp_path / "runs", tmp_path / "fedhydra.md")
     text = (tmp_path / "fedhydra.md").read_text()
     assert text.index("## Where the reproduction stands") < text.index("## All methods on one upload cache")
+    png = paper.standing_figure_path(tmp_path / "fedhydra.md")
+    assert png.stat().st_size > 0 and text.index(f"]({png.name})") < text.index("## All methods on one")
+    assert paper.plot_standing({}, tmp_path / "other.md") is None
 
 
 def test_fedmho_standing_table_means_the_seeds_ranks_md_sd_against_the_best_baseline_and_gives_the_gap(tmp_path):

@@ -449,44 +449,120 @@ cell ran them at another budget on the same uploads (sections below), and a budg
 ("none run") is compared with them through the column of another budget."""
 
 
-def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
-    """Markdown: one row per Table 1/2 cell with the paper's FedHydra and FedHydra as specified (its
-    mean over the ``specified`` cells, the `reduced` grid), then, for each budget with one-cache cells
-    in ``folder``, :data:`VARIANT`'s mean and the best baseline's, and the gap to the paper."""
+def standing(folder: Path, specified: list[dict[str, Any]] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per Table 1/2 cell ``(dataset, setting)``: ``paper`` (the paper's FedHydra), ``specified`` (FedHydra
+    as specified, best-over-epochs per ``specified`` cell: the `reduced` grid) and, for each budget with
+    one-cache cells in ``folder`` (in :data:`BUDGETS` order), ``ours`` (:data:`VARIANT`'s best-over-epochs
+    per seed, empty where it did not run) and ``best`` (the paper baseline with the highest mean over the
+    same cells and that mean, None if none ran in all). Empty if ``folder`` holds no one-cache cell."""
     budgets = {b: cells for b in BUDGETS if (cells := _one_cache_cells(folder, b))}
     if not budgets:
-        return ""
-    head = "| dataset | setting | paper FedHydra | as specified, `reduced` | " + " | ".join(
-        f"`{b}` ours | `{b}` best baseline" for b in budgets) + " | ours - paper |"
-    lines = [head, "|---|---|---|---|" + "---|---|" * len(budgets) + "---|"]
+        return {}
+    rows = {}
     for dataset in DATASETS:
         for i, setting in enumerate(SETTINGS):
-            cols, ours = [], {}
+            per_budget = {}
             for budget, cells in budgets.items():
                 runs = [s for s in _main_cells(cells, dataset)
                         if _setting_of(s["config"]) == setting and VARIANT in s["results"]]
-                mean, best = _variant_and_best_baseline(runs)
-                if mean is None:
-                    cols.append("- | -")
-                    continue
-                ours[budget] = mean
-                above = best is not None and mean > best[1]
-                text = f"{mean:.2f} n={len(runs)}"
-                cols.append(f"{f'**{text}**' if above else text} | "
-                            + (f"{best[1]:.2f} {LABELS[best[0]]}" if best else "none run"))
-            paper = PAPER[dataset]["fedhydra"][i]
-            gap = "-"
-            if ours:
-                top = max(ours, key=ours.get)
-                gap = f"{ours[top] - paper:+.2f} (`{top}`)"
+                _, best = _variant_and_best_baseline(runs)
+                per_budget[budget] = {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best}
             spec = [s["results"]["fedhydra"]["best_accuracy"] for s in _main_cells(specified or [], dataset)
                     if _setting_of(s["config"]) == setting and "fedhydra" in s["results"]]
-            spec_text = f"{statistics.fmean(spec):.2f} n={len(spec)}" if spec else "-"
-            lines.append(f"| {dataset.upper()} | {_label(setting)} | {paper:.2f} | {spec_text} | "
-                         + " | ".join(cols) + f" | {gap} |")
+            rows[dataset, setting] = {"paper": PAPER[dataset]["fedhydra"][i], "specified": spec,
+                                      "budgets": per_budget}
+    return rows
+
+
+def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
+    """Markdown: one row per Table 1/2 cell of :func:`standing` (:func:`standing_table`)."""
+    return standing_table(standing(folder, specified))
+
+
+def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """Markdown: one row per cell of ``rows`` (:func:`standing`): the paper's FedHydra, FedHydra as
+    specified, then per budget :data:`VARIANT`'s mean and the best baseline's, and the gap to the paper
+    (empty if ``rows`` is)."""
+    if not rows:
+        return ""
+    budgets = list(next(iter(rows.values()))["budgets"])
+    head = "| dataset | setting | paper FedHydra | as specified, `reduced` | " + " | ".join(
+        f"`{b}` ours | `{b}` best baseline" for b in budgets) + " | ours - paper |"
+    lines = [head, "|---|---|---|---|" + "---|---|" * len(budgets) + "---|"]
+    for (dataset, setting), row in rows.items():
+        cols, ours = [], {}
+        for budget, cell in row["budgets"].items():
+            if not cell["ours"]:
+                cols.append("- | -")
+                continue
+            mean = ours[budget] = statistics.fmean(cell["ours"])
+            best = cell["best"]
+            text = f"{mean:.2f} n={len(cell['ours'])}"
+            cols.append(f"{f'**{text}**' if best is not None and mean > best[1] else text} | "
+                        + (f"{best[1]:.2f} {LABELS[best[0]]}" if best else "none run"))
+        gap = "-"
+        if ours:
+            top = max(ours, key=ours.get)
+            gap = f"{ours[top] - row['paper']:+.2f} (`{top}`)"
+        spec = row["specified"]
+        spec_text = f"{statistics.fmean(spec):.2f} n={len(spec)}" if spec else "-"
+        lines.append(f"| {dataset.upper()} | {_label(setting)} | {row['paper']:.2f} | {spec_text} | "
+                     + " | ".join(cols) + f" | {gap} |")
     return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
                       STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
                       "", *lines])
+
+
+def standing_figure_path(path: Path) -> Path:
+    """The standing figure (:func:`plot_standing`), next to the results file ``path``."""
+    return path.with_name(f"{path.stem}-standing.png")
+
+
+def plot_standing(rows: dict[tuple[str, str], dict[str, Any]], path: Path) -> Path | None:
+    """Bars per Table 1/2 cell (one panel per dataset): the paper's FedHydra, FedHydra as specified
+    (`reduced`), and :data:`VARIANT` with the best baseline on the same uploads at the largest budget
+    where :data:`VARIANT` ran (named under the setting); error bars = standard deviation over seeds.
+    Written to :func:`standing_figure_path`; None (nothing written) if ``rows`` is empty."""
+    if not rows:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DATASETS), figsize=(11, 4.4), sharey=True)
+    width = 0.2
+    for ax, dataset in zip(axes, DATASETS, strict=True):
+        ticks = []
+        for x, setting in enumerate(SETTINGS):
+            row = rows[dataset, setting]
+            ran = [b for b, cell in row["budgets"].items() if cell["ours"]]
+            budget = ran[-1] if ran else None
+            ours = row["budgets"][budget]["ours"] if budget else []
+            best = row["budgets"][budget]["best"] if budget else None
+            bars = [(row["paper"], [], "paper FedHydra", "0.25"),
+                    (_mean_or_nan(row["specified"]), row["specified"], "FedHydra as specified (`reduced`)", "C3"),
+                    (_mean_or_nan(ours), ours, f"ours ({VARIANT})", "C2"),
+                    (best[1] if best else float("nan"), [], "best baseline, same uploads", "C0")]
+            for j, (height, seeds, label, color) in enumerate(bars):
+                err = statistics.stdev(seeds) if len(seeds) > 1 else None
+                ax.bar(x + (j - 1.5) * width, height, width, yerr=err, color=color, capsize=2,
+                       label=label if x == 0 else None)
+            if best:
+                ax.text(x + 1.5 * width, best[1] + 1, LABELS[best[0]], rotation=90, fontsize=6,
+                        ha="center", va="bottom")
+            ticks.append(f"{_label(setting)}\n{budget or 'not run'}" + (f"\nn={len(ours)}" if ours else ""))
+        ax.set_xticks(range(len(SETTINGS)), labels=ticks, fontsize=7)
+        ax.set_title(dataset.upper(), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("best test accuracy (%)")
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, frameon=False, loc="upper center", ncol=4)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    out = standing_figure_path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _mean_or_nan(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
 
 
 def _variant_and_best_baseline(runs: list[dict[str, Any]]) -> tuple[float | None, tuple[str, float] | None]:
@@ -715,7 +791,14 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     budget's per-epoch figures are drawn where there are curves and linked wherever a figure exists
     (one drawn from runs that are gone stays linked)."""
     archive = common.archive_folder(path)
-    bodies = [standing_report(archive / ONE_CACHE, _cells(root, "reduced", archive))]
+    rows = standing(archive / ONE_CACHE, _cells(root, "reduced", archive))
+    standing_body = standing_table(rows)
+    figure = plot_standing(rows, path)
+    if figure:
+        standing_body += ("\n\nThe same cells as bars: ours and the best baseline at the largest budget where ours ran "
+                          "(named under each setting), error bars = standard deviation over seeds."
+                          f"\n\n![{figure.stem}]({figure.name})")
+    bodies = [standing_body]
     for budget in BUDGETS:
         body = report(root, budget, archive)
         plot_curves(root, path, budget)
