@@ -147,8 +147,9 @@ def test_cli_rejects_unknown_settings(capsys):
 
 @pytest.mark.parametrize("budget", list(paper.BUDGETS))
 def test_budgets_define_every_key(budget):
-    assert set(paper.BUDGETS[budget]) == {"client_epochs", "epochs", "generator_steps", "batch_size",
-                                          "strat_batch_size", "feddf_steps"}
+    keys = set(paper.BUDGETS[budget]) - {"precision"}  # optional: fp32 unless given
+    assert keys == {"client_epochs", "epochs", "generator_steps", "batch_size", "strat_batch_size", "feddf_steps"}
+    assert paper.precision(budget) in ("fp32", "bf16")
 
 
 
@@ -597,6 +598,52 @@ def test_reduced_t60_g30_differs_from_reduced_t60_only_in_the_generator_steps():
     for m, params in g30["methods"].items():
         steps = {"generator_steps": 30} if "generator_steps" in params else {}
         assert params == {**t60["methods"][m], **steps}
+
+
+def test_bf16_budget_differs_from_its_fp32_twin_only_in_the_generator_familys_precision():
+    assert paper.fp32_twin("reduced-t60-g30-bf16") == "reduced-t60-g30"
+    assert "reduced-t60-g30-bf16" not in paper.FP32_BUDGETS and "reduced-t60-g30" in paper.FP32_BUDGETS
+    g30, bf16 = (paper.cell_config("fmnist", "2c/c", 1, b) for b in ("reduced-t60-g30", "reduced-t60-g30-bf16"))
+    assert bf16["name"] == "fedhydra-fmnist-2cc-s1-reduced-t60-g30-bf16"
+    assert {k: v for k, v in bf16.items() if k not in ("name", "methods")} == \
+        {k: v for k, v in g30.items() if k not in ("name", "methods")}  # same clients: the cached uploads
+    for m, params in bf16["methods"].items():
+        extra = {"precision": "bf16"} if m in paper.GENERATOR_FAMILY else {}
+        assert params == {**g30["methods"][m], **extra}
+        assert "precision" not in g30["methods"][m]  # fp32 configs stay as archived
+        if extra:
+            validate({**bf16, "methods": {m: params}})  # the loop accepts the key
+
+
+def test_precision_section_pairs_each_bf16_cell_with_its_fp32_twin_on_the_same_uploads(tmp_path):
+    folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
+    folder.mkdir(parents=True)
+
+    def write(budget: str, best: dict[str, float], generation: float, digest: str, cpu: str = "CPU A") -> None:
+        cfg = paper.cell_config("mnist", "0.01", 1, budget)
+        results = {m: {"accuracy": a - 2, "best_accuracy": a, "uploads_sha256": digest,
+                       **({"timing_seconds": {"generation": generation}} if m in paper.GENERATOR_FAMILY else {})}
+                   for m, a in best.items()}
+        summary = {"config": cfg, "results": results, "environment": {"cpu": cpu}}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps(summary))
+
+    write("reduced-t60-g30", {"fedavg": 30.0, "dense": 20.0, "fedhydra_dense_log1p": 70.0}, 400.0, "a" * 64)
+    write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "a" * 64)
+    text = paper.precision_report(folder)
+    rows = [x for x in text.splitlines() if x.startswith("| `reduced-t60-g30-bf16`")]
+    assert rows == ["| `reduced-t60-g30-bf16` | mnist-0.01-s1 | " + paper.LABELS["fedhydra_dense_log1p"]
+                    + " | 70.00 (68.00) | 68.50 (66.50) | -1.50 | -1.50 | 400 → 200 (2.00x) |"]  # DENSE: fp32 only
+    summary = next(x for x in text.splitlines() if x.startswith(f"| {paper.LABELS['fedhydra_dense_log1p']} | 1 |"))
+    assert "| -1.50 | -1.50 | 1.50 | 2.00x (1) |" in summary
+    # the bf16 cell stays out of the standing table and the fp32 one-cache sections
+    assert set(next(iter(paper.standing(folder).values()))["budgets"]) == {"reduced-t60-g30"}
+    assert "68.50" not in paper.one_cache_report(folder, "reduced-t60-g30")
+    # timings from two processors are not compared
+    write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "a" * 64, cpu="CPU B")
+    assert "| other processors |" in paper.precision_report(folder)
+    # other uploads: no pair, no section
+    write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "b" * 64)
+    assert paper.precision_report(folder) == ""
 
 
 def test_ordering_without_any_baseline_says_so_instead_of_ranking_first(tmp_path):

@@ -32,6 +32,9 @@ def test_summary_and_outputs(tmp_path, tiny_config):
     assert (tmp_path / "run" / "fedavg" / "fedavg.safetensors").is_file()
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["config"]["name"] == "tiny" and saved["results"].keys() == res.keys()
+    env = saved["environment"]  # what the timings were measured on
+    assert env["threads"] >= 1 and env["cpu"]
+    assert env["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "ZVECTOR", "SVE256")
 
 
 def test_bytes_counted_equal_payload_sizes(tmp_path, tiny_config):

@@ -367,10 +367,23 @@ class Simulator:
             "engine": self.engine_info,
             "environment": {"hetfl": hetfl.__version__, "torch": torch.__version__,
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),
-                            "machine": platform.machine(), "python": platform.python_version()},
+                            "machine": platform.machine(), "python": platform.python_version(),
+                            "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability()},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary
+
+
+def processor_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else :func:`platform.processor`): timings
+    recorded in a summary are only comparable on the same processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def save_models(models: dict[str, nn.Module], folder: Path) -> None:

@@ -27,6 +27,7 @@ LABELS = {"fedavg": "FedAvg", "ot": "OT", "feddf": "FedDF", "dense": "DENSE", "c
           "fedhydra_dense": "FedHydra in DENSE's loop, as the authors' code (ours)",
           "fedhydra_dense_log1p": "FedHydra in DENSE's loop, log1p(U) (ours)"}
 SETTINGS = ("0.5", "0.3", "0.1", "0.01", "2c/c")
+GENERATOR_FAMILY = ("dense", "coboosting", "fedhydra", *EXTRA)  # the methods with a generator and server epochs
 DATASETS = ("mnist", "fmnist")
 
 # Table 1 (alpha = 0.5, 0.3, 0.1, 0.01) and Table 2 (2c/c), top-1 %, best over epochs.
@@ -64,7 +65,28 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # `reduced-t60` with the paper's T_G = 30 generator steps per epoch: three times the generation
     # cost; measured on the weak Fashion-MNIST cells (eighteenth session).
     "reduced-t60-g30": {**REDUCED, "epochs": 60, "generator_steps": 30},
+    # `reduced-t60-g30` with bf16 autocast in the generator family's loop (generator, teacher and student
+    # forwards; FedHydra's stratification keeps its float64 CE): the issue's bf16-against-fp32 check.
+    # Same clients, so the same cached uploads; its cells are reported beside their fp32 twins
+    # (`precision_report`), not in the standing table or the one-cache sections.
+    "reduced-t60-g30-bf16": {**REDUCED, "epochs": 60, "generator_steps": 30, "precision": "bf16"},
 }
+
+
+def precision(budget: str) -> str:
+    """The server stage's arithmetic of ``budget``: ``fp32`` unless the budget says otherwise."""
+    return BUDGETS[budget].get("precision", "fp32")
+
+
+def fp32_twin(budget: str) -> str:
+    """The fp32 budget a lower-precision budget repeats (``reduced-t60-g30-bf16`` -> ``reduced-t60-g30``)."""
+    twin = budget.removesuffix(f"-{precision(budget)}")
+    if twin not in BUDGETS or precision(twin) != "fp32":
+        raise ValueError(f"budget {budget!r} has no fp32 twin in BUDGETS")
+    return twin
+
+
+FP32_BUDGETS = tuple(b for b in BUDGETS if precision(b) == "fp32")
 
 
 def partition(setting: str) -> dict[str, Any]:
@@ -78,6 +100,8 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
                 ablation_method: str = "fedhydra") -> dict[str, Any]:
     b = BUDGETS[budget]
     gen = {"epochs": b["epochs"], "generator_steps": b["generator_steps"], "batch_size": b["batch_size"]}
+    if precision(budget) != "fp32":  # fp32 cells keep the configs (and names) they were archived with
+        gen["precision"] = precision(budget)
     per_method: dict[str, dict[str, Any]] = {
         "fedavg": {}, "ensemble": {}, "ot": {}, "feddf": {"steps": b["feddf_steps"], "eval_every": 100},
         "dense": dict(gen), "coboosting": dict(gen),
@@ -227,6 +251,76 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
     if not lines:
         return ""
     return "\n".join([f"## All methods on one upload cache (budget `{budget}`)", "", ONE_CACHE_INTRO, *lines])
+
+
+PRECISION_INTRO = """A budget with another arithmetic (`-bf16`: bf16 autocast for the generator, teacher and student
+forwards of the generator family's loop; FedHydra's stratification keeps its float64 CE) repeats its
+fp32 twin's cells on the same uploads (equal `uploads_sha256`, else FedAvg and the ensemble equal to the
+last digit) with the same seeds, so each row below differs in the arithmetic alone. Accuracy is
+best over epochs (final epoch in brackets); Δ = bf16 minus fp32. "generation s" is the generator
+stage's wall time (T_g x T_G generator steps), compared only where both runs name the same processor
+(`environment.cpu`, recorded since 2026-11-25), since the fp32 cells may come from another machine."""
+
+
+def _processor(cell: dict[str, Any]) -> str | None:
+    return cell.get("environment", {}).get("cpu")
+
+
+def precision_pairs(folder: Path) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """``(budget, fp32 cell, cell)`` for every one-cache cell of a non-fp32 budget whose fp32 twin cell
+    (:func:`fp32_twin`, same name otherwise) ran on the same uploads (:func:`_same_uploads`)."""
+    if not folder.is_dir():
+        return []
+    pairs = []
+    for budget in BUDGETS:
+        if precision(budget) == "fp32":
+            continue
+        twin = fp32_twin(budget)
+        fp32 = {_cell_key(s, twin): s for s in budget_cells(folder, "fedhydra", twin, folder)}
+        for cell in budget_cells(folder, "fedhydra", budget, folder):
+            base = fp32.get(_cell_key(cell, budget))
+            if base is not None and _same_uploads(base, cell):
+                pairs.append((budget, base, cell))
+    return pairs
+
+
+def precision_report(folder: Path) -> str:
+    """Markdown: each generator-family method of each :func:`precision_pairs` pair, fp32 beside the other
+    arithmetic (best, final, generation seconds), then per method the mean differences and speed-up."""
+    pairs = precision_pairs(folder)
+    if not pairs:
+        return ""
+    lines = ["## Precision: bf16 autocast against fp32 on the same uploads and seeds", "", PRECISION_INTRO, "",
+             "| budget | cell | method | fp32 | bf16 | Δ best | Δ final | generation s, fp32 → bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    per_method: dict[str, list[tuple[float, float, float | None]]] = {}
+    for budget, base, cell in pairs:
+        for m in (m for m in GENERATOR_FAMILY if m in base["results"] and m in cell["results"]):
+            a, b = base["results"][m], cell["results"][m]
+            d_best, d_final = b["best_accuracy"] - a["best_accuracy"], b["accuracy"] - a["accuracy"]
+            gen_a, gen_b = (r.get("timing_seconds", {}).get("generation") for r in (a, b))
+            same_cpu = _processor(base) is not None and _processor(base) == _processor(cell)
+            speed = gen_a / gen_b if same_cpu and gen_a and gen_b else None
+            per_method.setdefault(m, []).append((d_best, d_final, speed))
+            timing = (f"{gen_a:.0f} → {gen_b:.0f} ({speed:.2f}x)" if speed is not None
+                      else "other processors" if gen_a and gen_b else "-")
+            lines.append(f"| `{budget}` | {_cell_key(cell, budget).removeprefix('fedhydra-')} | {LABELS[m]} | "
+                         f"{a['best_accuracy']:.2f} ({a['accuracy']:.2f}) | {b['best_accuracy']:.2f} "
+                         f"({b['accuracy']:.2f}) | {d_best:+.2f} | {d_final:+.2f} | {timing} |")
+    lines += ["", "| method | pairs | mean Δ best (sd) | mean Δ final (sd) | largest abs Δ best | "
+              "generation speed-up (pairs on one processor) |", "|---|---|---|---|---|---|"]
+    for m, rows in per_method.items():
+        best, final = [r[0] for r in rows], [r[1] for r in rows]
+        speeds = [r[2] for r in rows if r[2] is not None]
+        speed = f"{statistics.mean(speeds):.2f}x ({len(speeds)})" if speeds else "-"
+        lines.append(f"| {LABELS[m]} | {len(rows)} | {_signed_stats(best)} | {_signed_stats(final)} | "
+                     f"{max(abs(v) for v in best):.2f} | {speed} |")
+    return "\n".join(lines)
+
+
+def _signed_stats(values: list[float]) -> str:
+    sd = f" ({statistics.stdev(values):.2f})" if len(values) > 1 else ""
+    return f"{statistics.mean(values):+.2f}{sd}"
 
 
 # Table 4 (SVHN) and Table 7 (CIFAR-10): top-1 % per client count K at the paper's default alpha = 0.5
@@ -455,7 +549,7 @@ def standing(folder: Path, specified: list[dict[str, Any]] | None = None) -> dic
     one-cache cells in ``folder`` (in :data:`BUDGETS` order), ``ours`` (:data:`VARIANT`'s best-over-epochs
     per seed, empty where it did not run) and ``best`` (the paper baseline with the highest mean over the
     same cells and that mean, None if none ran in all). Empty if ``folder`` holds no one-cache cell."""
-    budgets = {b: cells for b in BUDGETS if (cells := _one_cache_cells(folder, b))}
+    budgets = {b: cells for b in FP32_BUDGETS if (cells := _one_cache_cells(folder, b))}
     if not budgets:
         return {}
     rows = {}
@@ -695,7 +789,7 @@ quoted after the bar.
 """
 
 
-CURVE_METHODS = ("dense", "coboosting", "fedhydra", *EXTRA)  # the generator family: one point per server epoch
+CURVE_METHODS = GENERATOR_FAMILY  # one point per server epoch
 
 
 def epoch_curves(root: Path, summary: dict[str, Any]) -> dict[str, list[float]]:
@@ -799,20 +893,22 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
                           "(named under each setting), error bars = standard deviation over seeds."
                           f"\n\n![{figure.stem}]({figure.name})")
     bodies = [standing_body]
-    for budget in BUDGETS:
+    for budget in FP32_BUDGETS:
         body = report(root, budget, archive)
         plot_curves(root, path, budget)
         if "###" in body:  # a budget without cells has no section to hang its figures on
             body += _figure_links([figure_path(path, d, budget) for d in DATASETS], "")
         bodies.append(body)
-    for budget in BUDGETS:  # the one-cache sections, each with its per-epoch figures
+    for budget in FP32_BUDGETS:  # the one-cache sections, each with its per-epoch figures
         body = one_cache_report(archive / ONE_CACHE, budget)
         if not body:
             continue
         plot_one_cache_curves(path, budget)
         bodies.append(body + _figure_links([one_cache_figure_path(path, d, budget) for d in DATASETS],
                                            ", one upload cache"))
-    for budget in BUDGETS:  # the client-count sweeps, each with its accuracy-versus-K figures
+    if body := precision_report(archive / ONE_CACHE):
+        bodies.append(body)
+    for budget in FP32_BUDGETS:  # the client-count sweeps, each with its accuracy-versus-K figures
         cells = sweep_cells(root, path, budget)
         body = client_sweep_report(cells, budget)
         if body:
