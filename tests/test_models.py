@@ -224,3 +224,53 @@ def test_generator_reset_draws_the_same_weights_in_either_layout():
     expected = torch.empty(gens[0].l1.weight.shape).normal_(0.0, 0.02)  # the first module drawn
     assert torch.equal(gens[0].l1.weight, expected)
     assert int(torch.count_nonzero(gens[0].conv_blocks[0].bias.detach())) == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_upsample_conv3x3_equals_nearest_upsampling_then_the_conv_values_and_gradients(bias):
+    """The low-resolution form of Up x2 -> Conv3x3 against the two layers one by one (float64)."""
+    import torch.nn.functional as F
+
+    from hetfl.models.generator import upsample_conv3x3
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7, 6, dtype=torch.float64, requires_grad=True)  # odd, non-square: offsets, borders
+    w = torch.randn(4, 5, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True) if bias else None
+    ref = F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), w, b, padding=1)
+    new = upsample_conv3x3(x, w, b)
+    assert new.shape == ref.shape == (3, 4, 14, 12)
+    torch.testing.assert_close(new, ref, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(ref)
+    inputs = (x, w) + ((b,) if bias else ())
+    for g_new, g_ref in zip(torch.autograd.grad(new, inputs, grad_out), torch.autograd.grad(ref, inputs, grad_out)):
+        torch.testing.assert_close(g_new, g_ref, rtol=0, atol=1e-11)
+    with pytest.raises(ValueError, match="3x3 kernel"):
+        upsample_conv3x3(x, torch.randn(4, 5, 5, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_generator_is_the_layer_by_layer_generator_in_train_and_eval(channels_last):
+    """Same parameters, same outputs, same BN running statistics, same parameter gradients."""
+    from hetfl.models.generator import Generator
+
+    torch.manual_seed(1)
+    fused = Generator(nz=16, ngf=8, image_size=28, channels=1).double()
+    plain = Generator(nz=16, ngf=8, image_size=28, channels=1, fused_upsample=False).double()
+    plain.load_state_dict(fused.state_dict())
+    if channels_last:
+        fused.to(memory_format=torch.channels_last)
+        plain.to(memory_format=torch.channels_last)
+    z = torch.randn(6, 16, dtype=torch.float64)
+    out_f, out_p = fused(z), plain(z)  # train mode: batch statistics
+    assert out_f.shape == (6, 1, 28, 28)
+    torch.testing.assert_close(out_f, out_p, rtol=0, atol=1e-12)
+    out_f.square().sum().backward()
+    out_p.square().sum().backward()
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-10, msg=name)
+    for (name, a), b in zip(fused.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)  # running statistics too
+    fused.eval()
+    plain.eval()
+    torch.testing.assert_close(fused(z), plain(z), rtol=0, atol=1e-12)

@@ -4,17 +4,27 @@
 Conv3x3 64 -> BN -> LReLU(0.2) -> Conv3x3 nc -> Sigmoid`` with ``s = image_size // 4``; output
 images in [0, 1] (no normalisation, as in DENSE). ``reset_parameters`` re-initialises it the way
 DENSE does every epoch: conv/linear weights ~ N(0, 0.02), biases 0, BN gamma ~ N(1, 0.02), beta 0.
+
+Speed: each ``Up x2 -> Conv3x3`` pair is computed at the low resolution (:func:`upsample_conv3x3`):
+nearest upsampling repeats every pixel, so each of the four output parities sees a 2 x 2 window of
+the input with summed 3 x 3 taps. Same function and parameters (the state_dict is unchanged), up to
+float summation order; 36 H W -> 16 (H+1)(W+1) multiply-adds per channel pair, the two convolutions
+that dominate the generator's cost (docs/BENCHMARKS.md). ``Generator(fused_upsample=False)`` runs the
+layers one by one.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class Generator(nn.Module):
-    def __init__(self, nz: int = 256, ngf: int = 64, image_size: int = 32, channels: int = 3) -> None:
+    def __init__(self, nz: int = 256, ngf: int = 64, image_size: int = 32, channels: int = 3,
+                 fused_upsample: bool = True) -> None:
         super().__init__()
+        self.fused_upsample = fused_upsample
         if image_size % 4:
             raise ValueError(f"generator image_size must be a multiple of 4, got {image_size}")
         self.nz, self.image_size, self.channels = nz, image_size, channels
@@ -52,7 +62,43 @@ class Generator(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         out = self.l1(z)
         out = out.reshape(out.shape[0], -1, self.init_size, self.init_size)
-        return self.conv_blocks(out)
+        if not self.fused_upsample:
+            return self.conv_blocks(out)
+        layers = list(self.conv_blocks)
+        i = 0
+        while i < len(layers):
+            if isinstance(layers[i], nn.Upsample):  # always followed by a 3x3 conv (see __init__)
+                conv = layers[i + 1]
+                out = upsample_conv3x3(out, conv.weight, conv.bias)
+                i += 2
+            else:
+                out = layers[i](out)
+                i += 1
+        return out
+
+
+# Row (or column) taps of a 3x3 kernel that the even / odd output rows of a nearest x2 upsampling see
+# at the low resolution: output 2p reads x[p-1], x[p], x[p] (taps w0, w1 + w2 on x[p-1], x[p]);
+# output 2p+1 reads x[p], x[p], x[p+1] (taps w0 + w1, w2 on x[p], x[p+1]).
+_PARITY_TAPS = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]],
+                             [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+
+
+def upsample_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``conv2d(interpolate(x, scale_factor=2, mode='nearest'), weight, bias, padding=1)`` for a 3 x 3
+    ``weight``, computed at the input's resolution: one convolution with the four parities' 2 x 2
+    kernels (summed taps) on ``x`` padded by 1, whose (H+1) x (W+1) output holds each parity at an
+    offset of 0 (even) or 1 (odd) per axis; the parities are then interleaved. Exact in real
+    arithmetic (zero padding of the upsampled image is zero padding of ``x``)."""
+    if weight.shape[-2:] != (3, 3):
+        raise ValueError(f"upsample_conv3x3 needs a 3x3 kernel, got {tuple(weight.shape[-2:])}")
+    b, _, h, w = x.shape
+    out_ch = weight.shape[0]
+    taps = _PARITY_TAPS.to(device=weight.device, dtype=weight.dtype)
+    kernel = torch.einsum("aij,ocjk,blk->abocil", taps, weight, taps).reshape(4 * out_ch, -1, 2, 2)
+    y = F.conv2d(x, kernel, None if bias is None else bias.repeat(4), padding=1).unflatten(1, (2, 2, out_ch))
+    rows = [torch.stack([y[:, a, c, :, a:a + h, c:c + w] for c in (0, 1)], dim=-1) for a in (0, 1)]
+    return torch.stack(rows, dim=-3).reshape(b, out_ch, 2 * h, 2 * w)  # (b, o, h, 2, w, 2) -> (b, o, 2h, 2w)
 
 
 @torch.no_grad()
