@@ -635,6 +635,8 @@ def test_precision_section_pairs_each_bf16_cell_with_its_fp32_twin_on_the_same_u
                     + " | 70.00 (68.00) | 68.50 (66.50) | -1.50 | -1.50 | 400 → 200 (2.00x) |"]  # DENSE: fp32 only
     summary = next(x for x in text.splitlines() if x.startswith(f"| {paper.LABELS['fedhydra_dense_log1p']} | 1 |"))
     assert "| -1.50 | -1.50 | 1.50 | 2.00x (1) |" in summary
+    paper.write_results(tmp_path / "runs", tmp_path / "fedhydra.md")  # the results file carries the section
+    assert "## Precision: bf16 autocast against fp32" in (tmp_path / "fedhydra.md").read_text()
     # the bf16 cell stays out of the standing table and the fp32 one-cache sections
     assert set(next(iter(paper.standing(folder).values()))["budgets"]) == {"reduced-t60-g30"}
     assert "68.50" not in paper.one_cache_report(folder, "reduced-t60-g30")

@@ -291,6 +291,7 @@ def precision_report(folder: Path) -> str:
     if not pairs:
         return ""
     lines = ["## Precision: bf16 autocast against fp32 on the same uploads and seeds", "", PRECISION_INTRO, "",
+             "### Per cell and method", "",
              "| budget | cell | method | fp32 | bf16 | Δ best | Δ final | generation s, fp32 → bf16 |",
              "|---|---|---|---|---|---|---|---|"]
     per_method: dict[str, list[tuple[float, float, float | None]]] = {}
@@ -307,7 +308,8 @@ def precision_report(folder: Path) -> str:
             lines.append(f"| `{budget}` | {_cell_key(cell, budget).removeprefix('fedhydra-')} | {LABELS[m]} | "
                          f"{a['best_accuracy']:.2f} ({a['accuracy']:.2f}) | {b['best_accuracy']:.2f} "
                          f"({b['accuracy']:.2f}) | {d_best:+.2f} | {d_final:+.2f} | {timing} |")
-    lines += ["", "| method | pairs | mean Δ best (sd) | mean Δ final (sd) | largest abs Δ best | "
+    lines += ["", "### Per method: bf16 minus fp32", "",
+              "| method | pairs | mean Δ best (sd) | mean Δ final (sd) | largest abs Δ best | "
               "generation speed-up (pairs on one processor) |", "|---|---|---|---|---|---|"]
     for m, rows in per_method.items():
         best, final = [r[0] for r in rows], [r[1] for r in rows]
