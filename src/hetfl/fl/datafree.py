@@ -15,7 +15,9 @@ Speed: with ``channels_last`` (default) the generator, teachers and student run 
 oneDNN's convolutions are faster on CPUs (measured 1.26x per generator step at batch 256 on an
 AVX-512 CPU; docs/BENCHMARKS.md). The arithmetic is the same up to float summation order
 (:meth:`~hetfl.models.generator.Generator.reset_parameters` draws the same weights in either
-layout). bf16 autocast (``precision``) measured no faster there.
+layout). bf16 autocast (``precision``) measured no faster there, but 1.6x faster on the generator
+stage of an AMD EPYC with avx512_bf16, with best-over-epochs accuracy within a point of fp32 on the
+same uploads (docs/results/fedhydra.md, section "Precision"); fp32 stays the default.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class DataFreeConfig:
     nz: int = 256
     pool_size: int = 0  # batches kept for replay (0: no replay; -1: unbounded, DENSE)
     replay: int = 0  # replayed pool batches per epoch (-1: the whole pool, DENSE)
-    precision: str = "fp32"  # fp32 | bf16 autocast for generator and teacher forwards
+    precision: str = "fp32"  # fp32 | bf16 autocast for the generator, teacher and student forwards of synthesis
     channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
     eval_every: int = 1
