@@ -100,7 +100,7 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
                 ablation_method: str = "fedhydra") -> dict[str, Any]:
     b = BUDGETS[budget]
     gen = {"epochs": b["epochs"], "generator_steps": b["generator_steps"], "batch_size": b["batch_size"]}
-    if precision(budget) != "fp32":  # fp32 cells keep the configs (and names) they were archived with
+    if precision(budget) != "fp32":  # fp32 cells keep the configs they were archived with
         gen["precision"] = precision(budget)
     per_method: dict[str, dict[str, Any]] = {
         "fedavg": {}, "ensemble": {}, "ot": {}, "feddf": {"steps": b["feddf_steps"], "eval_every": 100},
