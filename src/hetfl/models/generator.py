@@ -64,16 +64,13 @@ class Generator(nn.Module):
         out = out.reshape(out.shape[0], -1, self.init_size, self.init_size)
         if not self.fused_upsample:
             return self.conv_blocks(out)
-        layers = list(self.conv_blocks)
-        i = 0
-        while i < len(layers):
-            if isinstance(layers[i], nn.Upsample):  # always followed by a 3x3 conv (see __init__)
-                conv = layers[i + 1]
+        layers = iter(self.conv_blocks)
+        for layer in layers:
+            if isinstance(layer, nn.Upsample):  # always followed by a 3x3 conv (see __init__)
+                conv = next(layers)
                 out = upsample_conv3x3(out, conv.weight, conv.bias)
-                i += 2
             else:
-                out = layers[i](out)
-                i += 1
+                out = layer(out)
         return out
 
 
