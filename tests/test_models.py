@@ -247,6 +247,13 @@ def test_upsample_conv3x3_equals_nearest_upsampling_then_the_conv_values_and_gra
         torch.testing.assert_close(g_new, g_ref, rtol=0, atol=1e-11)
     with pytest.raises(ValueError, match="3x3 kernel"):
         upsample_conv3x3(x, torch.randn(4, 5, 5, 5, dtype=torch.float64))
+    xc = x.detach().to(memory_format=torch.channels_last).requires_grad_(True)  # the layout is kept
+    out = upsample_conv3x3(xc, w.detach().to(memory_format=torch.channels_last), None)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, F.conv2d(F.interpolate(x.detach(), scale_factor=2, mode="nearest"),
+                                             w.detach(), None, padding=1), rtol=0, atol=1e-12)
+    out.backward(torch.randn_like(out))
+    assert xc.grad.shape == x.shape and torch.isfinite(xc.grad).all()
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

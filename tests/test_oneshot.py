@@ -81,6 +81,33 @@ def test_bn_loss_is_zero_exactly_when_batch_matches_stored_statistics():
     bn.remove()
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_channel_mean_var_equals_torch_mean_and_var_values_and_gradients(channels_last):
+    """The BN hook's statistics (two plain sums, one-pass backward) against torch.mean / torch.var."""
+    from hetfl.fl.datafree import ChannelMeanVar
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 6, 7, dtype=torch.float64) * 2 + 1
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    mean, var = ChannelMeanVar.apply(x)
+    ref_mean, ref_var = x.mean(dim=(0, 2, 3)), x.var(dim=(0, 2, 3), unbiased=False)
+    assert mean.dtype == var.dtype == torch.float32  # fp32 statistics whatever the input precision
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(var.double(), ref_var, rtol=1e-6, atol=1e-6)
+    g_mean, g_var = torch.randn(3), torch.randn(3)
+    (grad,) = torch.autograd.grad((mean * g_mean).sum() + (var * g_var).sum(), x)
+    (ref,) = torch.autograd.grad((ref_mean * g_mean.double()).sum() + (ref_var * g_var.double()).sum(), x)
+    assert grad.dtype == torch.float64 and grad.shape == x.shape
+    torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
+    xb = x.detach().bfloat16().requires_grad_(True)  # bf16 in: fp32 statistics out, bf16 gradient back
+    mean_b, var_b = ChannelMeanVar.apply(xb)
+    torch.testing.assert_close(mean_b, xb.float().mean(dim=(0, 2, 3)), rtol=1e-5, atol=1e-5)
+    (var_b.sum() + mean_b.sum()).backward()
+    assert xb.grad.dtype == torch.bfloat16
+
+
 def test_kl_div_matches_torch():
     torch.manual_seed(0)
     t, s = torch.randn(8, 5), torch.randn(8, 5)

@@ -41,6 +41,7 @@ from hetfl.fl.method import (
 )
 from hetfl.fl.payload import Payload, PayloadError, json_safe
 from hetfl.fl.training import TrainConfig, evaluate
+from hetfl.host import malloc_setting
 
 log = logging.getLogger("hetfl")
 
@@ -368,7 +369,8 @@ class Simulator:
             "environment": {"hetfl": hetfl.__version__, "torch": torch.__version__,
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),
                             "machine": platform.machine(), "python": platform.python_version(),
-                            "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+                            "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "malloc": malloc_setting()},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary

@@ -62,6 +62,8 @@ class Generator(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         out = self.l1(z)
         out = out.reshape(out.shape[0], -1, self.init_size, self.init_size)
+        if _is_channels_last(self.conv_blocks[-2].weight):  # one layout end to end (see _is_channels_last)
+            out = out.contiguous(memory_format=torch.channels_last)
         if not self.fused_upsample:
             return self.conv_blocks(out)
         layers = iter(self.conv_blocks)
@@ -93,9 +95,55 @@ def upsample_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out_ch = weight.shape[0]
     taps = _PARITY_TAPS.to(device=weight.device, dtype=weight.dtype)
     kernel = torch.einsum("aij,ocjk,blk->abocil", taps, weight, taps).reshape(4 * out_ch, -1, 2, 2)
+    if _is_channels_last(x):
+        kernel = kernel.contiguous(memory_format=torch.channels_last)
     y = F.conv2d(x, kernel, None if bias is None else bias.repeat(4), padding=1).unflatten(1, (2, 2, out_ch))
-    rows = [torch.stack([y[:, a, c, :, a:a + h, c:c + w] for c in (0, 1)], dim=-1) for a in (0, 1)]
-    return torch.stack(rows, dim=-3).reshape(b, out_ch, 2 * h, 2 * w)  # (b, o, h, 2, w, 2) -> (b, o, 2h, 2w)
+    return _InterleaveParities.apply(y, h, w)
+
+
+class _InterleaveParities(torch.autograd.Function):
+    """``(b, 2, 2, o, h+1, w+1)`` parity maps -> ``(b, o, 2h, 2w)`` image: output pixel
+    ``(2p + a, 2q + c)`` is ``y[:, a, c, :, p + a, q + c]``. The offset of that element in ``y``'s
+    storage is linear in (b, o, p, a, q, c), so all four parities are one strided view of ``y`` and
+    the interleave is one copy each way, in ``y``'s layout. Autograd's own backward of slices and
+    stacks zero-fills a full copy of ``y`` per slice (125 ms of a 600 ms generator step at batch 256,
+    docs/BENCHMARKS.md); here only each parity's unused border row and column are zeroed."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, h: int, w: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.h, ctx.w = h, w
+        ctx.y_meta = (y.shape, y.stride())
+        b, o = y.shape[0], y.shape[3]
+        fmt = torch.channels_last if y.stride(3) == 1 and o > 1 else torch.contiguous_format
+        out = torch.empty((b, o, 2 * h, 2 * w), dtype=y.dtype, device=y.device, memory_format=fmt)
+        out.view(b, o, h, 2, w, 2).copy_(_parity_view(y, h, w))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        h, w = ctx.h, ctx.w
+        shape, stride = ctx.y_meta
+        grad_y = torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device)
+        _parity_view(grad_y, h, w).copy_(grad.reshape(shape[0], shape[3], h, 2, w, 2))
+        for a in (0, 1):  # row h of parity a = 0 and row 0 of a = 1 are never read,
+            grad_y[:, a, :, :, h if a == 0 else 0, :].zero_()
+        for c in (0, 1):  # nor column w of c = 0 and column 0 of c = 1
+            grad_y[:, :, c, :, :, w if c == 0 else 0].zero_()
+        return grad_y, None, None
+
+
+def _parity_view(y: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """``y[:, a, c, :, p + a, q + c]`` as a (b, o, h, 2, w, 2) view indexed [b, o, p, a, q, c]."""
+    s0, s1, s2, s3, s4, s5 = y.stride()
+    return y.as_strided((y.shape[0], y.shape[3], h, 2, w, 2), (s0, s3, s4, s1 + s4, s5, s2 + s5),
+                        y.storage_offset())
+
+
+def _is_channels_last(t: torch.Tensor) -> bool:
+    """NHWC and not also NCHW (a tensor with one channel or 1 x 1 pixels is both). A generator moved
+    to channels_last runs every layer in NHWC: a layout that changes inside the network makes the
+    elementwise backward kernels mix layouts (LeakyReLU's backward 1.7 -> 41 ms at batch 256, bf16)."""
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 @torch.no_grad()

@@ -17,8 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     import torch
 
+    from hetfl.host import keep_freed_memory
     from hetfl.reproduce.common import run_missing_methods
 
+    keep_freed_memory()
     torch.set_num_threads(int(job["threads"]))
     out = Path(job["out"])
     start = time.perf_counter()
