@@ -643,6 +643,13 @@ def test_precision_section_pairs_each_bf16_cell_with_its_fp32_twin_on_the_same_u
     # timings from two processors are not compared
     write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "a" * 64, cpu="CPU B")
     assert "| other processors |" in paper.precision_report(folder)
+    # nor timings under other host settings: a result merged from another run carries its own environment
+    write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "a" * 64)
+    name = folder / f"{paper.cell_config('mnist', '0.01', 1, 'reduced-t60-g30-bf16')['name']}.json"
+    merged = json.loads(name.read_text())
+    merged["results"]["fedhydra_dense_log1p"]["environment"] = {"cpu": "CPU A", "malloc": "glibc 2.36: kept"}
+    name.write_text(json.dumps(merged))
+    assert "| other host settings |" in paper.precision_report(folder)
     # other uploads: no pair, no section
     write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "b" * 64)
     assert paper.precision_report(folder) == ""

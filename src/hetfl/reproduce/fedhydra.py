@@ -259,11 +259,20 @@ fp32 twin's cells on the same uploads (equal `uploads_sha256`, else FedAvg and t
 last digit) with the same seeds, so each row below differs in the arithmetic alone. Accuracy is
 best over epochs (final epoch in brackets); Δ = bf16 minus fp32. "generation s" is the generator
 stage's wall time (T_g x T_G generator steps), compared only where both runs name the same processor
-(`environment.cpu`, recorded since 2026-11-25), since the fp32 cells may come from another machine."""
+(`environment.cpu`, recorded since 2026-11-25) and the same malloc setting (`environment.malloc`,
+since the twenty-seventh session's speed fixes), since the fp32 cells may come from another machine
+or older code."""
 
 
 def _processor(cell: dict[str, Any]) -> str | None:
     return cell.get("environment", {}).get("cpu")
+
+
+def _timing_host(cell: dict[str, Any], method: str) -> tuple[str | None, str | None]:
+    """(processor, malloc setting) a method's timings were measured under: the method's own
+    ``environment`` where a result was merged into an archived cell from another run, else the cell's."""
+    env = cell["results"][method].get("environment") or cell.get("environment", {})
+    return env.get("cpu"), env.get("malloc")
 
 
 def precision_pairs(folder: Path) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -300,11 +309,13 @@ def precision_report(folder: Path) -> str:
             a, b = base["results"][m], cell["results"][m]
             d_best, d_final = b["best_accuracy"] - a["best_accuracy"], b["accuracy"] - a["accuracy"]
             gen_a, gen_b = (r.get("timing_seconds", {}).get("generation") for r in (a, b))
-            same_cpu = _processor(base) is not None and _processor(base) == _processor(cell)
-            speed = gen_a / gen_b if same_cpu and gen_a and gen_b else None
+            host_a, host_b = _timing_host(base, m), _timing_host(cell, m)
+            same_host = host_a[0] is not None and host_a == host_b
+            speed = gen_a / gen_b if same_host and gen_a and gen_b else None
             per_method.setdefault(m, []).append((d_best, d_final, speed))
             timing = (f"{gen_a:.0f} → {gen_b:.0f} ({speed:.2f}x)" if speed is not None
-                      else "other processors" if gen_a and gen_b else "-")
+                      else "other processors" if gen_a and gen_b and host_a[0] != host_b[0]
+                      else "other host settings" if gen_a and gen_b else "-")
             lines.append(f"| `{budget}` | {_cell_key(cell, budget).removeprefix('fedhydra-')} | {LABELS[m]} | "
                          f"{a['best_accuracy']:.2f} ({a['accuracy']:.2f}) | {b['best_accuracy']:.2f} "
                          f"({b['accuracy']:.2f}) | {d_best:+.2f} | {d_final:+.2f} | {timing} |")
