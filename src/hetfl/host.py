@@ -25,7 +25,8 @@ _state: dict[str, str] = {"malloc": "default"}
 
 def keep_freed_memory() -> str:
     """Configure glibc malloc (no mmap per block, no trimming below 1 GiB, 64 MiB top pad) once per
-    process; returns ``'glibc: kept'`` when applied, else ``'default'`` (see the module docstring)."""
+    process; returns ``'glibc <version>: kept'`` when applied, else ``'default'`` (see the module
+    docstring)."""
     if _state["malloc"] != "default" or os.environ.get("HETFL_MALLOC", "").lower() in ("default", "off", "0"):
         return _state["malloc"]
     if not sys.platform.startswith("linux"):

@@ -57,7 +57,7 @@ class ChannelMeanVar(torch.autograd.Function):
     precision, with a one-pass backward: ``dx = g_mean / n + g_var * 2 (x - mean) / n`` as one
     ``addcmul``. Autograd's own backward of ``mean`` and ``var`` makes four passes over x, and
     ``torch.var`` (Welford) reduces channels_last input 4x slower than two plain sums: together
-    about 15 ms -> 4 ms per (256, 16, 28, 28) batch (docs/BENCHMARKS.md)."""
+    about 15 ms -> 4-5 ms per (256, 16, 28, 28) batch (docs/BENCHMARKS.md)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]

@@ -264,10 +264,6 @@ since the twenty-seventh session's speed fixes), since the fp32 cells may come f
 or older code."""
 
 
-def _processor(cell: dict[str, Any]) -> str | None:
-    return cell.get("environment", {}).get("cpu")
-
-
 def _timing_host(cell: dict[str, Any], method: str) -> tuple[str | None, str | None]:
     """(processor, malloc setting) a method's timings were measured under: the method's own
     ``environment`` where a result was merged into an archived cell from another run, else the cell's."""
