@@ -861,3 +861,22 @@ def test_generator_free_baselines_carry_over_between_budgets_only_on_the_same_up
     cell["results"]["dense"]["uploads_sha256"] = "c" * 64
     (folder / f"{name}.json").write_text(json.dumps(cell))
     assert f"**methods ran on different uploads in {name}**" in paper.one_cache_report(folder, "reduced-t60-g30")
+
+
+def test_fedmho_vgg9_budget_sets_client_precision_only_where_it_is_given():
+    from hetfl.reproduce import fedmho as mho
+
+    vgg = mho.cell_config("mnist", "0.1", 0, "vgg9-e10")
+    assert vgg["client"]["model"] == ["vgg9"] * 5 + ["lenet5"] * 5 and vgg["server"]["model"] == "vgg9"
+    assert vgg["client"]["precision"] == "bf16" and vgg["client"]["epochs"] == 10
+    validate(vgg)
+    reduced = mho.cell_config("mnist", "0.1", 0, "reduced")  # archived configs keep their exact keys
+    assert "precision" not in reduced["client"]
+
+
+@pytest.mark.parametrize("budget", ["reduced", "vgg9-e10"])
+@pytest.mark.parametrize("variant", ["main", "nofilter", "rth0.4", "curve"])
+def test_fedmho_cell_variant_is_read_back_from_its_name_whatever_dashes_the_budget_holds(budget, variant):
+    from hetfl.reproduce import fedmho as mho
+
+    assert mho._variant(mho.cell_config("mnist", "0.1", 2, budget, variant=variant)) == variant
