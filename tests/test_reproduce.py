@@ -723,7 +723,7 @@ def test_fedmho_standing_table_means_the_seeds_ranks_md_sd_against_the_best_base
     assert len(rows) == 6  # every (dataset, setting) of Table 4, run or not
     # FedCVAE-Ens 82 is the best baseline; SD 87 is above it (bold), MD 71 is not; gaps to the paper's 71.04 / 69.65
     assert rows[("| FMNIST", "Dir(0.1)")] == ("| FMNIST | Dir(0.1) | 62.14 / 84.00 | 71.04 / 69.65 | 71.00 / **87.00** "
-                                             "n=2 | 75.00 / - | 82.00 FedCVAE(-Ens) | -0.04 / +17.35 |")
+                                             "n=2 | 75.00 (n=1) / - | 82.00 FedCVAE(-Ens) | -0.04 / +17.35 |")
     assert rows[("| FMNIST", "Dir(0.5)")] == \
         "| FMNIST | Dir(0.5) | 75.30 / 90.00 | 77.27 / 77.73 | not run | - / - | - | - / - |"
     mho.write_results(runs, tmp_path / "fedmho.md")
