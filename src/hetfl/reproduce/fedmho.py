@@ -80,10 +80,11 @@ BUDGETS: dict[str, dict[str, Any]] = {
                 "generator_steps": 10, "gen_batch": 64, "feddf_steps": 1000, "curve_epochs": 30},
     # The reduced budget with the paper's classifiers: VGG-9 clients (10 local epochs, bf16 autocast:
     # 0.35 s per batch of 64 against 0.45 s in fp32 on 2 AVX-512 cores) and a VGG-9 server (fp32, the
-    # paper's server settings). With it MD and SD beat plain FedMHO, as in the paper, where cnn2 made
-    # them lose (docs/results/fedmho-notes.md). 46-48 min per MNIST cell for FedAvg and the FedMHO
-    # family, 15-17 more for FedCVAE-Ens; with VGG-9 teachers DENSE 11 min and Co-Boosting 17 min (server
-    # only, their student barely leaves chance in 20 x 10 steps), FedDF about 88 min (not run).
+    # paper's server settings). With it MD and SD beat plain FedMHO on average (SD in 4 of 4
+    # seed-cells, MD in 3 of 4), as in the paper, where cnn2 made them lose
+    # (docs/results/fedmho-notes.md). 46-48 min per MNIST cell for FedAvg and the FedMHO family, 15-17
+    # more for FedCVAE-Ens; with VGG-9 teachers DENSE 11 min and Co-Boosting 17 min (server only, their
+    # student barely leaves chance in 20 x 10 steps), FedDF about 88 min (not run).
     "vgg9-e10": {"large": "vgg9", "small": "lenet5", "server": "vgg9", "client_epochs": 10,
                  "client_precision": "bf16", "cvae": {"cvae_epochs": 10}, "fedcvae_cvae": "cvae_small",
                  "gen_epochs": 20, "generator_steps": 10, "gen_batch": 64, "feddf_steps": 1000,
