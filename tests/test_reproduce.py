@@ -726,6 +726,14 @@ def test_fedmho_standing_table_means_the_seeds_ranks_md_sd_against_the_best_base
                                              "n=2 | 75.00 (n=1) / - | 82.00 FedCVAE(-Ens) | -0.04 / +17.35 |")
     assert rows[("| FMNIST", "Dir(0.5)")] == \
         "| FMNIST | Dir(0.5) | 75.30 / 90.00 | 77.27 / 77.73 | not run | - / - | - | - / - |"
+    # a KL-mean variant on the same seeds as MD/SD needs no count, on as many but other seeds it does
+    for seed, accs in ((0, {"fedmho_md": 70.0, "fedmho_md_klmean": 74.0}), (1, {"fedmho_sd_klmean": 76.0})):
+        cfg = mho.cell_config("mnist", "0.3", seed, "reduced")
+        (runs / cfg["name"]).mkdir(parents=True)
+        results = {m: {"accuracy": a, "best_accuracy": a} for m, a in accs.items()}
+        (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    row = next(x for x in mho.standing_report(runs).splitlines() if x.startswith("| MNIST | Dir(0.3)"))
+    assert "| 74.00 / 76.00 (n=1) |" in row
     mho.write_results(runs, tmp_path / "fedmho.md")
     text = (tmp_path / "fedmho.md").read_text()
     assert text.index("## Where the reproduction stands") < text.index("## Budget `reduced`")
