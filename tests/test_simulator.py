@@ -35,6 +35,7 @@ def test_summary_and_outputs(tmp_path, tiny_config):
     env = saved["environment"]  # what the timings were measured on
     assert env["threads"] >= 1 and env["cpu"]
     assert env["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "ZVECTOR", "SVE256")
+    assert isinstance(env["bf16_native"], bool)  # bf16 timings mean little where bf16 is emulated
 
 
 def test_bytes_counted_equal_payload_sizes(tmp_path, tiny_config):

@@ -1,5 +1,9 @@
+import warnings
+
+import pytest
 import torch
 
+from hetfl.fl import training
 from hetfl.fl.method import derive_seed, sample_clients
 from hetfl.fl.training import TrainConfig, accuracy_report, evaluate, local_train, minibatches
 from hetfl.models import build_model
@@ -59,3 +63,36 @@ def test_client_sampling_is_seeded_and_sized():
     assert a != sample_clients(100, 0.1, round_=4, seed=0)
     assert sample_clients(5, 0.01, 1, 0).__len__() == 1
     assert derive_seed(0, "x") == derive_seed(0, "x") != derive_seed(1, "x")
+
+
+def test_bf16_on_a_device_that_emulates_it_warns_once_and_fp32_never(monkeypatch):
+    monkeypatch.setattr(training, "bf16_native", lambda device_type: False)
+    monkeypatch.setattr(training, "_WARNED_EMULATED", set())
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with training.autocast(cpu, "fp32"):
+            pass
+    with pytest.warns(RuntimeWarning, match="without native bf16 kernels.*Use precision fp32"), \
+            training.autocast(cpu, "bf16"):
+        assert torch.is_autocast_enabled("cpu")
+    with warnings.catch_warnings():  # once per process: a training loop does not repeat it per batch
+        warnings.simplefilter("error")
+        with training.autocast(cpu, "bf16"):
+            pass
+
+
+def test_bf16_where_native_does_not_warn(monkeypatch):
+    monkeypatch.setattr(training, "bf16_native", lambda device_type: True)
+    monkeypatch.setattr(training, "_WARNED_EMULATED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with training.autocast(torch.device("cpu"), "bf16"):
+            pass
+
+
+def test_bf16_native_is_false_on_a_cpu_without_avx512():
+    native = training.bf16_native("cpu")
+    assert isinstance(native, bool)
+    if not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")):
+        assert not native  # e.g. an AVX2 CPU: oneDNN has no bf16 kernels for it

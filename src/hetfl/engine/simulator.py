@@ -40,7 +40,7 @@ from hetfl.fl.method import (
     sample_clients,
 )
 from hetfl.fl.payload import Payload, PayloadError, json_safe
-from hetfl.fl.training import TrainConfig, evaluate
+from hetfl.fl.training import TrainConfig, bf16_native, evaluate
 from hetfl.host import malloc_setting
 
 log = logging.getLogger("hetfl")
@@ -370,7 +370,7 @@ class Simulator:
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),
                             "machine": platform.machine(), "python": platform.python_version(),
                             "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                            "malloc": malloc_setting()},
+                            "bf16_native": bf16_native(self.exp.device.type), "malloc": malloc_setting()},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary
