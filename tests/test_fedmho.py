@@ -467,3 +467,38 @@ def test_report_states_the_papers_ordering_over_seed_means(tmp_path) -> None:
     assert "FedMHO-MD 96.00 (above the best baseline; matches the paper's 95.71)" in line
     assert "FedMHO-SD 94.00 (below the best baseline; under the paper's 95.67)" in line
     assert "Dir(0.3)" not in line  # settings without runs are left out
+    assert "not compared" not in line  # every baseline ran on both seeds
+    assert "per seed, MD and SD above every baseline run in 1 of 2" in line  # seed 0: SD 93 < FedAvg 95
+
+
+def test_ordering_names_baselines_missing_from_some_seeds_and_compares_the_rest(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce import fedmho as paper
+
+    finals = [{"fedavg": 40.0, "dense": 50.0, "coboosting": 88.0, "fedmho_md": 80.0, "fedmho_sd": 85.0},
+              {"fedavg": 35.0, "dense": 45.0, "fedmho_md": 78.0, "fedmho_sd": 84.0},
+              {"fedavg": 30.0, "fedmho": 70.0}]  # no MD/SD: not one of the ordering's seeds
+    for seed, accs in enumerate(finals):
+        cfg = paper.cell_config("mnist", "0.1", seed, "reduced")
+        (tmp_path / cfg["name"]).mkdir()
+        results = {m: {"accuracy": a, "best_accuracy": a} for m, a in accs.items()}
+        (tmp_path / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    line = next(x for x in paper.report(tmp_path, "reduced").splitlines() if x.startswith("Paper's ordering"))
+    # Co-Boosting ran on seed 0 only: the means compare with DENSE (47.50), the per-seed count with
+    # every baseline of that seed (seed 0 loses to Co-Boosting's 88)
+    assert "Dir(0.1), n=2: FedMHO-MD 79.00 (above the best baseline" in line
+    assert "best baseline DENSE 47.50" in line
+    assert "not compared: FedDF, FedCVAE(-Ens) (not run); Co-Boosting (not run on every seed)" in line
+    assert line.endswith("per seed, MD and SD above every baseline run in 1 of 2.")
+
+
+def test_ordering_without_md_and_sd_or_without_any_baseline_says_so() -> None:
+
+    from hetfl.reproduce import fedmho as paper
+
+    assert paper._ordering([], "mnist").endswith("no cell with FedMHO-MD and -SD yet.")
+    cfg = paper.cell_config("mnist", "0.5", 0, "reduced")
+    results = {m: {"accuracy": 90.0, "best_accuracy": 90.0} for m in ("fedmho_md", "fedmho_sd")}
+    line = paper._ordering([{"config": cfg, "results": results}], "mnist")
+    assert "Dir(0.5), n=1: no baseline ran on every seed of FedMHO-MD/SD" in line

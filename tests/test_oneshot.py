@@ -236,6 +236,7 @@ def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
     assert (tmp_path / "fedhydra" / "U_c.png").is_file() and (tmp_path / "fedhydra" / "samples.png").is_file()
     assert set(res["fedhydra"]["timing_seconds"]) == {"generation", "distillation", "evaluation"}
     assert "stratification_seconds" in res["fedhydra"]
+    assert res["feddf"]["teacher_seconds"] >= 0 and res["feddf"]["distill_seconds"] >= 0  # the two stages
     w = res["coboosting"]["ensemble_weights"]
     assert len(w) == 3 and all(0 <= v <= 1 for v in w)
 

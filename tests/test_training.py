@@ -96,3 +96,18 @@ def test_bf16_native_is_false_on_a_cpu_without_avx512():
     assert isinstance(native, bool)
     if not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")):
         assert not native  # e.g. an AVX2 CPU: oneDNN has no bf16 kernels for it
+
+
+def test_predict_logits_with_a_progress_wrapper_sees_every_batch_and_gives_the_same_logits(synthetic_small):
+    model = build_model("cnn2", 1, 16, 4)
+    seen: list[int] = []
+
+    def wrap(starts):
+        for s in starts:
+            seen.append(s)
+            yield s
+
+    plain = training.predict_logits(model, synthetic_small.test, CPU, batch_size=7)
+    wrapped = training.predict_logits(model, synthetic_small.test, CPU, batch_size=7, progress=wrap)
+    assert torch.equal(plain, wrapped)
+    assert seen == list(range(0, len(synthetic_small.test), 7))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -145,11 +145,14 @@ def local_train(
 
 
 @torch.no_grad()
-def predict_logits(model: nn.Module, data: ImageDataset, device: torch.device,
-                   batch_size: int = 1000) -> torch.Tensor:
+def predict_logits(model: nn.Module, data: ImageDataset, device: torch.device, batch_size: int = 1000,
+                   progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> torch.Tensor:
+    """Logits (fp32) of ``model`` on every sample of ``data``, in order; ``progress`` wraps the batch
+    starts (e.g. a progress bar for a long pass)."""
     model = model.to(device).eval()
+    starts: Iterable[int] = range(0, len(data), batch_size)
     outs = [model(data.batch(torch.arange(s, min(s + batch_size, len(data))), device)[0]).float()
-            for s in range(0, len(data), batch_size)]
+            for s in (progress(starts) if progress is not None else starts)]
     return torch.cat(outs) if outs else torch.zeros(0, data.num_classes)
 
 
