@@ -15,6 +15,8 @@ Teacher logits on the auxiliary set are computed once (the teachers are fixed an
 augmentation), not per step; that pass has its own progress bar and its seconds are recorded
 (``teacher_seconds``, then ``distill_seconds``): with five VGG-9 teachers on 60,000 images it is
 most of the first evaluation interval (18.6 min against 1.9 s per student step on a 2-core AVX2 CPU).
+The teachers run in channels_last for that pass (VGG-9 inference 2.5 s per 1,000 images against
+3.2-3.7 s contiguous there; logits equal up to float summation order, 1.7e-8).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from hetfl.fl.aggregate import Ensemble, weighted_average
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.fl.training import predict_logits
+from hetfl.fl.training import predict_logits, prepare
 from hetfl.methods.common import client_models
 
 AUXILIARY = {"mnist": "fmnist", "fmnist": "mnist", "emnist": "mnist", "cifar10": "cifar100",
@@ -78,8 +80,9 @@ class FedDF(OneShotMethod):
             raise ValueError(f"feddf: no default auxiliary dataset for {ctx.dataset!r}; set aux_dataset")
         aux = auxiliary_images(aux_name, ctx, int(p["aux_size"]))
         start = time.perf_counter()  # one pass of every teacher over the auxiliary set: long with VGG-9s
+        teachers = [prepare(m, ctx.device, channels_last=True) for m in models.values()]  # NHWC: faster convs
         teacher_logits = predict_logits(
-            Ensemble(list(models.values())), aux, ctx.device,
+            Ensemble(teachers), aux, ctx.device,
             progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} images",
                                                  unit="batch"))
         ctx.record["teacher_seconds"] = round(time.perf_counter() - start, 1)
