@@ -446,21 +446,26 @@ def test_report_adds_a_row_for_fedcvae_kd_only_when_a_cell_ran_it(tmp_path) -> N
     assert row == "| FedCVAE-KD | not run | - | not run | - | 80.00 (81.00) | - |"  # no paper number for KD
 
 
-def test_report_states_the_papers_ordering_over_seed_means(tmp_path) -> None:
+def _ordering_line(root, setting: str, finals: list[dict[str, float]]) -> str:
+    """The MNIST "Paper's ordering" line of the report over one cell per seed (final = best accuracy)."""
     import json
 
     from hetfl.reproduce import fedmho as paper
 
+    for seed, accs in enumerate(finals):
+        cfg = paper.cell_config("mnist", setting, seed, "reduced")
+        (root / cfg["name"]).mkdir()
+        results = {m: {"accuracy": a, "best_accuracy": a} for m, a in accs.items()}
+        (root / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    return next(x for x in paper.report(root, "reduced").splitlines() if x.startswith("Paper's ordering"))
+
+
+def test_report_states_the_papers_ordering_over_seed_means(tmp_path) -> None:
     finals = [{"fedavg": 95.0, "feddf": 80.0, "dense": 90.0, "coboosting": 85.0, "fedcvae_ens": 82.0,
                "fedmho_md": 96.0, "fedmho_sd": 93.0},
               {"fedavg": 93.0, "feddf": 80.0, "dense": 90.0, "coboosting": 85.0, "fedcvae_ens": 82.0,
                "fedmho_md": 96.0, "fedmho_sd": 95.0}]
-    for seed, accs in enumerate(finals):
-        cfg = paper.cell_config("mnist", "0.5", seed, "reduced")
-        (tmp_path / cfg["name"]).mkdir()
-        results = {m: {"accuracy": a, "best_accuracy": a} for m, a in accs.items()}
-        (tmp_path / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
-    line = next(x for x in paper.report(tmp_path, "reduced").splitlines() if x.startswith("Paper's ordering"))
+    line = _ordering_line(tmp_path, "0.5", finals)
     # means over the two seeds: FedAvg 94.0 is the best baseline; MD 96.0 above it and above the
     # paper's 95.71; SD 94.0 ties FedAvg, which is not above it, and is under the paper's 95.67
     assert "Dir(0.5), n=2" in line and "best baseline FedAvg 94.00" in line
@@ -472,19 +477,10 @@ def test_report_states_the_papers_ordering_over_seed_means(tmp_path) -> None:
 
 
 def test_ordering_names_baselines_missing_from_some_seeds_and_compares_the_rest(tmp_path) -> None:
-    import json
-
-    from hetfl.reproduce import fedmho as paper
-
     finals = [{"fedavg": 40.0, "dense": 50.0, "coboosting": 88.0, "fedmho_md": 80.0, "fedmho_sd": 85.0},
               {"fedavg": 35.0, "dense": 45.0, "fedmho_md": 78.0, "fedmho_sd": 84.0},
               {"fedavg": 30.0, "fedmho": 70.0}]  # no MD/SD: not one of the ordering's seeds
-    for seed, accs in enumerate(finals):
-        cfg = paper.cell_config("mnist", "0.1", seed, "reduced")
-        (tmp_path / cfg["name"]).mkdir()
-        results = {m: {"accuracy": a, "best_accuracy": a} for m, a in accs.items()}
-        (tmp_path / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
-    line = next(x for x in paper.report(tmp_path, "reduced").splitlines() if x.startswith("Paper's ordering"))
+    line = _ordering_line(tmp_path, "0.1", finals)
     # Co-Boosting ran on seed 0 only: the means compare with DENSE (47.50), the per-seed count with
     # every baseline of that seed (seed 0 loses to Co-Boosting's 88)
     assert "Dir(0.1), n=2: FedMHO-MD 79.00 (above the best baseline" in line
