@@ -61,7 +61,7 @@ def test_ordering_names_the_baselines_it_could_not_compare(tmp_path):
     summary = tmp_path / paper.cell_config("mnist", "0.1", 0, "paper")["name"] / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "environment": {"device": "cuda"}}))
     text = paper.report(tmp_path, "paper")
-    assert "Minutes per cell (all methods, incl. local training): 2.00 over 1 cells (device: cuda)." in text
+    assert "Minutes per cell (all methods, incl. local training): 2.00 over 1 cells on cuda." in text
     assert ("0.1 (n=1): FedHydra first (66.00 vs best baseline 58.00); "
             "final epoch: FedHydra first (65.00 vs best baseline 57.00); "
             "not compared: OT, FedDF, Co-Boosting (not run in every cell)") in text
@@ -220,6 +220,26 @@ def test_cell_minutes_include_the_earlier_runs_of_the_cell(tmp_path):
     path.write_text(json.dumps({**summary, "minutes": 3.0, "prior_minutes": 9.0}))  # a method added later
     text = paper.report(tmp_path, "reduced")
     assert "Minutes per cell (all methods, incl. local training): 12.00 over 1 cells." in text
+
+
+def test_minutes_are_grouped_by_the_machine_that_ran_the_cells(tmp_path):
+    """A GPU's minutes and 2 CPU cores' minutes are reported apart, each with the card or processor."""
+    from hetfl.reproduce.common import machine_label, minutes_by_machine
+
+    gpu = {"device": "cuda", "accelerator": "NVIDIA H100 80GB HBM3", "cpu": "Intel Xeon"}
+    cpu = {"device": "cpu", "cpu": "AMD EPYC", "cpu_capability": "AVX512"}
+    cells = [{"minutes": 8.0, "environment": gpu}, {"minutes": 17.0, "environment": cpu},
+             {"minutes": 10.0, "prior_minutes": 2.0, "environment": gpu}, {"environment": cpu},
+             {"minutes": 3.0, "environment": {"device": "cuda"}}]
+    assert minutes_by_machine(cells) == [("cuda (NVIDIA H100 80GB HBM3)", [8.0, 12.0]),
+                                         ("cpu (AMD EPYC, AVX512)", [17.0]), ("cuda", [3.0])]
+    assert machine_label({}) == ""
+    for seed, env in ((0, gpu), (1, cpu)):
+        cfg = fake_summary(tmp_path, "mnist", "0.5", seed, dict.fromkeys(("ensemble", *paper.METHODS), 50.0))
+        path = tmp_path / cfg["name"] / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "environment": env}))
+    assert ("Minutes per cell (all methods, incl. local training): 2.00 over 1 cells on cuda (NVIDIA H100 80GB "
+            "HBM3); 2.00 over 1 cells on cpu (AMD EPYC, AVX512).") in paper.report(tmp_path, "reduced")
 
 
 def test_failure_note_names_left_out_clients_per_cell():

@@ -36,6 +36,10 @@ def test_summary_and_outputs(tmp_path, tiny_config):
     assert env["threads"] >= 1 and env["cpu"]
     assert env["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "ZVECTOR", "SVE256")
     assert isinstance(env["bf16_native"], bool)  # bf16 timings mean little where bf16 is emulated
+    if env["device"].startswith("cuda"):  # which card: "cuda" alone does not date the minutes
+        assert env["accelerator"] == torch.cuda.get_device_name(0)
+    else:
+        assert env["accelerator"] is None
 
 
 def test_bytes_counted_equal_payload_sizes(tmp_path, tiny_config):

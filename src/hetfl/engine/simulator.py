@@ -370,7 +370,8 @@ class Simulator:
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),
                             "machine": platform.machine(), "python": platform.python_version(),
                             "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                            "bf16_native": bf16_native(self.exp.device.type), "malloc": malloc_setting()},
+                            "bf16_native": bf16_native(self.exp.device.type), "malloc": malloc_setting(),
+                            "accelerator": accelerator_name(self.exp.device)},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary
@@ -386,6 +387,14 @@ def processor_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def accelerator_name(device: torch.device) -> str | None:
+    """The GPU's name (``NVIDIA H100 80GB HBM3``) for a CUDA device, else None: "cuda" alone does not
+    say which card the recorded minutes are from."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(device)
 
 
 def save_models(models: dict[str, nn.Module], folder: Path) -> None:

@@ -187,6 +187,28 @@ def cell_minutes(summary: dict[str, Any]) -> float:
     return summary.get("minutes", 0.0) + summary.get("prior_minutes", 0.0)
 
 
+def machine_label(summary: dict[str, Any]) -> str:
+    """Where a cell ran, for its minutes: the GPU's name on a GPU (``cuda`` for summaries written before
+    the name was recorded), else ``cpu`` with the processor and its vector extension; empty when the
+    summary records no device."""
+    env = summary.get("environment", {})
+    device = env.get("device", "")
+    if device.startswith("cuda"):
+        return f"{device} ({env['accelerator']})" if env.get("accelerator") else device
+    details = ", ".join(v for v in (env.get("cpu"), env.get("cpu_capability")) if v)
+    return f"{device} ({details})" if details else device
+
+
+def minutes_by_machine(cells: list[dict[str, Any]]) -> list[tuple[str, list[float]]]:
+    """The cells' wall minutes (:func:`cell_minutes`) grouped by :func:`machine_label`, in order of
+    first appearance: minutes from a GPU and from 2 CPU cores do not average into one figure."""
+    groups: dict[str, list[float]] = {}
+    for s in cells:
+        if s.get("minutes"):
+            groups.setdefault(machine_label(s), []).append(cell_minutes(s))
+    return list(groups.items())
+
+
 def same_setting(earlier: dict[str, Any], cfg: dict[str, Any]) -> bool:
     """Whether an earlier run's config has the same setting as ``cfg`` (a validated config), methods
     aside. The earlier config goes through :func:`hetfl.config.validate` first, so a key added to the

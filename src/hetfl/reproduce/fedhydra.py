@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import budget_cells, cell_minutes, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
+from hetfl.reproduce.common import budget_cells, cell_minutes, minutes_by_machine, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
 from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
@@ -198,12 +198,12 @@ def _table(main: list[dict[str, Any]], dataset: str, methods: tuple[str, ...]) -
 
 
 def _minutes(main: list[dict[str, Any]]) -> list[str]:
-    minutes = [cell_minutes(s) for s in main if s.get("minutes")]
-    if not minutes:
+    groups = minutes_by_machine(main)
+    if not groups:
         return []
-    devices = sorted({s["environment"]["device"] for s in main if "device" in s.get("environment", {})})
-    return ["", f"Minutes per cell (all methods, incl. local training): {_stats(minutes)} over "
-            f"{len(minutes)} cells" + (f" (device: {', '.join(devices)})." if devices else ".")]
+    per_machine = "; ".join(f"{_stats(m)} over {len(m)} cells" + (f" on {label}" if label else "")
+                            for label, m in groups)
+    return ["", f"Minutes per cell (all methods, incl. local training): {per_machine}."]
 
 
 def _upload_check(main: list[dict[str, Any]]) -> list[str]:
