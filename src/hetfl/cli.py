@@ -148,15 +148,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
     from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import archive_and_say, run_cells_parallel, run_missing_methods
+    from hetfl.reproduce.common import archive_and_say, run_grid_parallel, run_missing_methods
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
     if args.paper == "fedmho":
         from hetfl.reproduce import fedmho
-
-        if args.jobs > 1:
-            raise ConfigError("--jobs > 1 is for fedhydra only (FedMHO's methods train different client uploads)")
 
         return fedmho.main(args)
 
@@ -194,12 +191,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         archive_and_say(root, name, results, paper.CURVE_METHODS)
 
     if args.jobs > 1:
-        failed = run_cells_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, quiet=True,
-                                    say=lambda line: print(line, flush=True), done=archive)
-        paper.write_results(root, results, notes)
+        run_grid_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, archive,
+                          lambda: paper.write_results(root, results, notes))
         print(f"wrote {results}")
-        if failed:
-            raise ConfigError("these jobs failed (see their logs): " + "; ".join(failed))
         return 0
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
@@ -306,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     rep.add_argument("--report-only", action="store_true", help="rewrite the results file from finished runs")
     rep.add_argument("--jobs", type=int, default=1,
-                     help="fedhydra: worker processes at once; per cell the clients are trained first, then "
-                          "every method runs in its own process on the cached uploads (keeps a GPU busy)")
+                     help="worker processes at once; per cell every method's client uploads are trained "
+                          "first, then every method runs in its own process on the cached uploads (keeps a GPU "
+                          "busy)")
     rep.add_argument("--quiet", action="store_true")
     rep.set_defaults(func=cmd_reproduce)
 

@@ -140,7 +140,7 @@ class Simulator:
             rows = [r for r in path.read_text().splitlines() if 0 <= json.loads(r)["step"] <= keep_until]
             path.write_text("".join(r + "\n" for r in rows))
 
-    def _context(self, name: str, ledger: CommLedger, history: list[float]) -> ServerContext:
+    def _context(self, name: str, ledger: CommLedger, history: list[float], make_dir: bool = True) -> ServerContext:
         exp, cfg = self.exp, self.exp.cfg
         train_cfg = TrainConfig(**{k: v for k, v in cfg["client"].items() if k != "model"})
 
@@ -160,7 +160,8 @@ class Simulator:
             return exp.splits.train.subset(index)
 
         method_dir = self.out_dir / name
-        method_dir.mkdir(parents=True, exist_ok=True)
+        if make_dir:
+            method_dir.mkdir(parents=True, exist_ok=True)
         return ServerContext(
             seed=cfg["seed"], num_classes=exp.splits.num_classes, shape=exp.splits.shape,
             num_clients=cfg["clients"], client_archs=exp.archs, server_arch=cfg["server"]["model"],
@@ -304,6 +305,27 @@ class Simulator:
             ckpt_info.write_text(json.dumps({"config_hash": chash, "round": round_, "history": history,
                                              "ledger": ledger.records}))
         return method.models()
+
+    def train_uploads(self, names: list[str]) -> dict[str, int]:
+        """Train the one-shot uploads of the config's methods ``names`` into the upload cache (or find
+        them there) without running their server stages; returns the accepted uploads per method.
+        Methods then started in other processes read every upload from the cache: two processes that
+        train the same request at once waste the work, and on a GPU they get different bytes, so
+        the methods of one comparison would not share their client models."""
+        if self.cache is None or self.transport is not None:
+            raise ValueError("train_uploads fills the local upload cache: give the simulator a cache_dir "
+                             "and no transport")
+        counts: dict[str, int] = {}
+        for name in names:
+            method = create_method(name, self.exp.cfg["methods"][name])
+            if not isinstance(method, OneShotMethod) or not method.needs_uploads:
+                continue
+            ctx = self._context(name, CommLedger(), [], make_dir=False)
+            messages = {cid: method.client_message(cid, ctx) for cid in range(ctx.num_clients)}
+            uploads = self._exchange(method, ctx, 0, messages, CommLedger(), {}, cacheable=True,
+                                     desc=f"{name}: local training")
+            counts[name] = len(uploads)
+        return counts
 
     def _check(self, name: str, method: Method) -> None:
         try:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +285,15 @@ def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data
     return merge_results(out, prior, summary)
 
 
+def train_cell_uploads(cfg: dict[str, Any], out: Path, cache: Path, data_root: str | None,
+                       quiet: bool = False) -> dict[str, int]:
+    """Train the client uploads of every method of ``cfg`` into ``cache`` (:meth:`Simulator.train_uploads`)."""
+    from hetfl.engine.simulator import Simulator, prepare
+
+    return Simulator(prepare(cfg, data_root), out, cache, quiet=quiet, data_root=data_root).train_uploads(
+        list(cfg["methods"]))
+
+
 # ---- parallel cells: one process per method on the cached uploads ----------------------------------
 CHEAP = ("ensemble", "fedavg")  # methods that only need the client uploads: they train the clients first
 
@@ -297,15 +306,17 @@ class _Job:
     log: Path
     proc: subprocess.Popen | None = None
     start: float = 0.0
+    warm: list[str] = field(default_factory=list)  # methods whose uploads this job trains first
 
 
 def _start(job: _Job, cfg: dict[str, Any], cache: Path | None, data_root: str | None, quiet: bool,
            threads: int) -> None:
     job.out.mkdir(parents=True, exist_ok=True)
     spec = job.log.with_suffix(".json")
+    warm = {m: cfg["methods"][m] for m in job.warm} if cache else {}  # without a cache nothing is shared
     spec.write_text(json.dumps({"config": {**cfg, "methods": {m: cfg["methods"][m] for m in job.methods}},
                                 "out": str(job.out), "cache": str(cache) if cache else None,
-                                "data_root": data_root, "quiet": quiet, "threads": threads}))
+                                "data_root": data_root, "quiet": quiet, "threads": threads, "warm": warm}))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     with open(job.log, "w") as log:
         job.proc = subprocess.Popen([sys.executable, "-m", "hetfl.reproduce.worker", str(spec)],
@@ -325,7 +336,8 @@ def _merge_part(cfg: dict[str, Any], cell_out: Path, part: _Job) -> None:
 
 
 def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str, list[_Job]]]:
-    """Per unfinished cell: the clients' job (ready now) and one job per other missing method (later)."""
+    """Per unfinished cell: the clients' job (ready now; it trains every missing method's uploads) and
+    one job per other missing method (later)."""
     ready: list[_Job] = []
     later: dict[str, list[_Job]] = {}
     for cfg in cells:
@@ -335,8 +347,11 @@ def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str
         first = [m for m in todo if m in CHEAP] or todo[:1]
         parts = root / ".parts" / cfg["name"]
         parts.mkdir(parents=True, exist_ok=True)
-        ready.append(_Job(cfg["name"], first, root / cfg["name"], parts / "clients.log"))
-        later[cfg["name"]] = [_Job(cfg["name"], [m], parts / m, parts / f"{m}.log") for m in todo if m not in first]
+        rest = [m for m in todo if m not in first]
+        # the clients' job also trains the uploads the other methods ask for (FedMHO's CVAEs, say),
+        # so that the workers started after it do not train the same request side by side
+        ready.append(_Job(cfg["name"], first, root / cfg["name"], parts / "clients.log", warm=rest))
+        later[cfg["name"]] = [_Job(cfg["name"], [m], parts / m, parts / f"{m}.log") for m in rest]
     return ready, later
 
 
@@ -351,16 +366,16 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
                        done: Callable[[str], Any] | None = None) -> list[str]:
     """Run every unfinished method of ``cells`` with up to ``jobs`` worker processes at once.
 
-    Per cell, one job first runs the methods that only need the uploads (ensemble, FedAvg; or the
-    first missing method) into the cell folder, which trains the clients into the upload cache; then
-    every other missing method runs in a worker of its own on those cached uploads, into
-    ``root/.parts/<cell>/<method>``, and is merged into the cell folder as soon as it is done (only
-    this process writes there). This is what keeps a GPU busy: one data-free method alone leaves it
-    mostly idle between small kernels. Each worker gets ``threads`` torch threads (default: the CPU
-    count divided by ``jobs``). ``done(cell)`` is called once per cell when its last job has ended
-    and been merged (at once for a cell with nothing left to run), e.g. to archive it. Returns the
-    failed jobs (``cell: methods (log)``); Ctrl-C stops the workers, which keep their checkpoints, so
-    the same call resumes.
+    Per cell, one job first trains the client uploads of every missing method into the upload cache
+    (classifiers and, for FedMHO, CVAEs) and runs the methods that only need the uploads (ensemble,
+    FedAvg; or the first missing method) into the cell folder; then every other missing method runs
+    in a worker of its own on those cached uploads, into ``root/.parts/<cell>/<method>``, and is
+    merged into the cell folder as soon as it is done (only this process writes there). This is what
+    keeps a GPU busy: one data-free method alone leaves it mostly idle between small kernels. Each
+    worker gets ``threads`` torch threads (default: the CPU count divided by ``jobs``).
+    ``done(cell)`` is called once per cell when its last job has ended and been merged (at once for a
+    cell with nothing left to run), e.g. to archive it. Returns the failed jobs (``cell: methods
+    (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the same call resumes.
     """
     from hetfl.config import validate
 
@@ -399,6 +414,19 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
         _stop(running)
         raise
     return failed
+
+
+def run_grid_parallel(cells: list[dict[str, Any]], root: Path, cache: Path, data_root: str | None, jobs: int,
+                      archive: Callable[[str], Any], write_report: Callable[[], Any]) -> None:
+    """A paper's grid with ``--jobs``: :func:`run_cells_parallel` (archiving each cell when it is done),
+    then the results file; raises :class:`hetfl.config.ConfigError` naming the failed jobs' logs."""
+    from hetfl.config import ConfigError
+
+    failed = run_cells_parallel(cells, root, cache, data_root, jobs, quiet=True,
+                                say=lambda line: print(line, flush=True), done=archive)
+    write_report()
+    if failed:
+        raise ConfigError("these jobs failed (see their logs): " + "; ".join(failed))
 
 
 def _stop(running: list[_Job], grace: float = 2.0, timeout: float = 120.0) -> None:

@@ -483,6 +483,12 @@ def main(args: argparse.Namespace) -> int:
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
         return common.run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
 
+    if getattr(args, "jobs", 1) > 1:  # clients first (every method's uploads), then a worker per method
+        common.run_grid_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs,
+                                 lambda name: common.archive_and_say(root, name, results),
+                                 lambda: write_results(root, results, notes))
+        print(f"wrote {results}")
+        return 0
     for i, cfg in enumerate(cells, 1):
         print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
         run_cell(cfg, root, Path(args.cache_dir), args.data_root, runner)

@@ -1,8 +1,10 @@
 """One job of a parallel reproduction, in its own process: ``python -m hetfl.reproduce.worker JOB.json``.
 
 The job file names a cell config (restricted to the methods to run), an output folder, the upload
-cache, the data root and the torch thread count; the worker runs the missing methods there and
-stamps its wall-clock minutes into ``summary.json``. See :func:`hetfl.reproduce.common.run_cells_parallel`.
+cache, the data root and the torch thread count, and optionally ``warm``: the other methods of the
+cell (with their parameters), whose client uploads the worker trains into the cache first, so that
+the workers started after it all read the same uploads. The worker then runs the missing methods
+there and stamps its wall-clock minutes into ``summary.json``. See :func:`hetfl.reproduce.common.run_cells_parallel`.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hetfl.host import keep_freed_memory
-    from hetfl.reproduce.common import run_missing_methods
+    from hetfl.reproduce.common import run_missing_methods, train_cell_uploads
 
     keep_freed_memory()
     torch.set_num_threads(int(job["threads"]))
     out = Path(job["out"])
     start = time.perf_counter()
     try:
+        if job.get("warm"):
+            train_cell_uploads({**job["config"], "methods": job["warm"]}, out, Path(job["cache"]),
+                               job["data_root"], bool(job["quiet"]))
         summary = run_missing_methods(job["config"], out, Path(job["cache"]) if job["cache"] else None,
                                       job["data_root"], bool(job["quiet"]))
     except KeyboardInterrupt:
