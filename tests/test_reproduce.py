@@ -323,42 +323,32 @@ def test_jobs_must_be_positive(capsys):
     assert "--jobs must be at least 1" in capsys.readouterr().err
 
 
-def test_parallel_fedmho_cell_trains_each_upload_once_before_its_workers(tmp_path, tiny_config):
-    """FedMHO's methods ask for CVAE uploads that FedAvg never trains: the clients' job trains them
-    too, so the workers (FedMHO, MD side by side) read every upload from the cache and share them,
-    as the in-process run does; on a GPU two trainings of one request give different bytes."""
-    from hetfl.engine.simulator import Simulator, prepare
-    from hetfl.reproduce.common import _plan, run_cells_parallel
-
-    fast = {"cvae_epochs": 1, "cvae_lr": 1e-3, "num_samples": 60, "epochs": 1, "lr": 1e-3}
-    raw = {**tiny_config, "device": "cpu", "clients": 4,
-           "methods": {"fedavg": {}, "fedmho": fast, "fedmho_md": fast, "fedcvae_ens": fast}}
-    ready, later = _plan([validate(raw)], tmp_path / "plan")
-    assert [(j.methods, j.warm) for j in ready] == [(["fedavg"], ["fedmho", "fedmho_md", "fedcvae_ens"])]
-    assert [j.methods for j in later["tiny"]] == [["fedmho"], ["fedmho_md"], ["fedcvae_ens"]]
-    assert run_cells_parallel([raw], tmp_path / "par", tmp_path / "cache", None, jobs=3, threads=1,
-                              say=lambda _: None) == []
-    res = json.loads((tmp_path / "par" / "tiny" / "summary.json").read_text())["results"]
-    for m in ("fedmho", "fedmho_md", "fedcvae_ens"):
-        assert res[m]["cached_uploads"] == 4, m  # nothing trained in the workers
-    assert res["fedmho"]["uploads_sha256"] == res["fedmho_md"]["uploads_sha256"]
-    with pytest.raises(ValueError, match="fills the local upload cache"):
-        Simulator(prepare(validate(raw)), tmp_path / "nocache", None, quiet=True).train_uploads(["fedmho"])
-
-
-def test_reproduce_fedmho_jobs_runs_the_grid_in_workers_and_archives_it(tmp_path, tiny_config, monkeypatch):
+def test_reproduce_fedmho_jobs_trains_each_upload_once_before_its_workers(tmp_path, tiny_config, monkeypatch):
+    """FedMHO's methods ask for CVAE uploads that FedAvg never trains: with --jobs the clients' job
+    trains them too, so the workers (FedMHO and MD side by side) read every upload from the cache and
+    share them, as the in-process run does (on a GPU two trainings of one request give different
+    bytes); the grid is archived and reported as without --jobs."""
     from hetfl.cli import main
+    from hetfl.engine.simulator import Simulator, prepare
     from hetfl.reproduce import fedmho
+    from hetfl.reproduce.common import _plan
 
     fast = {"cvae_epochs": 1, "cvae_lr": 1e-3, "num_samples": 60, "epochs": 1, "lr": 1e-3}
-    cell = {**tiny_config, "device": "cpu", "methods": {"fedavg": {}, "fedmho": fast}}
+    cell = {**tiny_config, "device": "cpu", "methods": {"fedavg": {}, "fedmho": fast, "fedmho_md": fast}}
+    ready, later = _plan([validate(json.loads(json.dumps(cell)))], tmp_path / "plan")
+    assert [(j.methods, j.warm) for j in ready] == [(["fedavg"], ["fedmho", "fedmho_md"])]
+    assert [j.methods for j in later["tiny"]] == [["fedmho"], ["fedmho_md"]]
     monkeypatch.setattr(fedmho, "grid", lambda *args, **kw: [json.loads(json.dumps(cell))])
     results = tmp_path / "fedmho.md"
-    assert main(["reproduce", "fedmho", "--jobs", "2", "--out", str(tmp_path / "runs"), "--quiet",
+    assert main(["reproduce", "fedmho", "--jobs", "3", "--out", str(tmp_path / "runs"), "--quiet",
                  "--cache-dir", str(tmp_path / "cache"), "--results", str(results)]) == 0
-    saved = json.loads((tmp_path / "fedmho-runs" / "tiny.json").read_text())
-    assert set(saved["results"]) == {"fedavg", "fedmho"} and saved["results"]["fedmho"]["cached_uploads"] == 3
+    res = json.loads((tmp_path / "fedmho-runs" / "tiny.json").read_text())["results"]
+    assert set(res) == {"fedavg", "fedmho", "fedmho_md"}
+    assert res["fedmho"]["cached_uploads"] == res["fedmho_md"]["cached_uploads"] == 3  # none trained there
+    assert res["fedmho"]["uploads_sha256"] == res["fedmho_md"]["uploads_sha256"]
     assert results.read_text().startswith("# FedMHO reproduction")
+    with pytest.raises(ValueError, match="fills the local upload cache"):
+        Simulator(prepare(validate(cell)), tmp_path / "nocache", None, quiet=True).train_uploads(["fedmho"])
 
 
 def test_parallel_cells_report_a_failed_worker_with_its_log(tmp_path, tiny_config):
