@@ -348,7 +348,7 @@ def test_reproduce_fedmho_jobs_trains_each_upload_once_before_its_workers(tmp_pa
     assert res["fedmho"]["uploads_sha256"] == res["fedmho_md"]["uploads_sha256"]
     assert results.read_text().startswith("# FedMHO reproduction")
     with pytest.raises(ValueError, match="fills the local upload cache"):
-        Simulator(prepare(validate(cell)), tmp_path / "nocache", None, quiet=True).train_uploads(["fedmho"])
+        Simulator(prepare(validate(cell)), tmp_path / "nocache", None, quiet=True).train_uploads({"fedmho": fast})
 
 
 def test_parallel_cells_report_a_failed_worker_with_its_log(tmp_path, tiny_config):

@@ -306,9 +306,10 @@ class Simulator:
                                              "ledger": ledger.records}))
         return method.models()
 
-    def train_uploads(self, names: list[str]) -> dict[str, int]:
-        """Train the one-shot uploads of the config's methods ``names`` into the upload cache (or find
-        them there) without running their server stages; returns the accepted uploads per method.
+    def train_uploads(self, methods: dict[str, dict[str, Any]]) -> dict[str, int]:
+        """Train the one-shot uploads of ``methods`` (name -> parameters, e.g. other methods of the
+        same cell than the config runs) into the upload cache (or find them there) without running
+        their server stages; returns the accepted uploads per method.
         Methods then started in other processes read every upload from the cache: two processes that
         train the same request at once waste the work, and on a GPU they get different bytes, so
         the methods of one comparison would not share their client models."""
@@ -316,8 +317,8 @@ class Simulator:
             raise ValueError("train_uploads fills the local upload cache: give the simulator a cache_dir "
                              "and no transport")
         counts: dict[str, int] = {}
-        for name in names:
-            method = create_method(name, self.exp.cfg["methods"][name])
+        for name, params in methods.items():
+            method = create_method(name, params)
             if not isinstance(method, OneShotMethod) or not method.needs_uploads:
                 continue
             ctx = self._context(name, CommLedger(), [], make_dir=False)

@@ -199,6 +199,13 @@ def machine_label(summary: dict[str, Any]) -> str:
     return f"{device} ({details})" if details else device
 
 
+def minutes_per_machine(cells: list[dict[str, Any]], unit: str = "cells") -> str:
+    """``12.00 ± 1.00 over 3 cells on cpu (AMD EPYC, AVX2); 7.00 over 1 cells on cuda (...)``, one part
+    per :func:`minutes_by_machine` group; empty when no cell is timed."""
+    return "; ".join(f"{stats(m)} over {len(m)} {unit}" + (f" on {label}" if label else "")
+                     for label, m in minutes_by_machine(cells))
+
+
 def minutes_by_machine(cells: list[dict[str, Any]]) -> list[tuple[str, list[float]]]:
     """The cells' wall minutes (:func:`cell_minutes`) grouped by :func:`machine_label`, in order of
     first appearance: minutes from a GPU and from 2 CPU cores do not average into one figure."""
@@ -271,27 +278,21 @@ def missing_methods(cfg: dict[str, Any], prior: dict[str, Any]) -> list[str]:
 
 
 def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data_root: str | None,
-                        quiet: bool = False) -> dict[str, Any]:
+                        quiet: bool = False, warm: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run the methods of ``cfg`` that ``out`` has not finished with the same parameters, and
-    return the cell's summary with the earlier methods' results kept."""
+    return the cell's summary with the earlier methods' results kept. ``warm`` (other methods of the
+    cell, name -> parameters): their client uploads are trained into ``cache`` first
+    (:meth:`Simulator.train_uploads`), for workers that run them later."""
     from hetfl.engine.simulator import Simulator, prepare
 
     prior = prior_results(out, cfg)
     todo = {m: cfg["methods"][m] for m in missing_methods(cfg, prior)}
     if not todo:
         return prior
-    summary = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=quiet,
-                        data_root=data_root).run()
-    return merge_results(out, prior, summary)
-
-
-def train_cell_uploads(cfg: dict[str, Any], out: Path, cache: Path, data_root: str | None,
-                       quiet: bool = False) -> dict[str, int]:
-    """Train the client uploads of every method of ``cfg`` into ``cache`` (:meth:`Simulator.train_uploads`)."""
-    from hetfl.engine.simulator import Simulator, prepare
-
-    return Simulator(prepare(cfg, data_root), out, cache, quiet=quiet, data_root=data_root).train_uploads(
-        list(cfg["methods"]))
+    sim = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=quiet, data_root=data_root)
+    if warm:
+        sim.train_uploads(warm)
+    return merge_results(out, prior, sim.run())
 
 
 # ---- parallel cells: one process per method on the cached uploads ----------------------------------

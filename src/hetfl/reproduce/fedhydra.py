@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import budget_cells, cell_minutes, minutes_by_machine, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
+from hetfl.reproduce.common import budget_cells, cell_minutes, minutes_per_machine, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
 from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
@@ -198,12 +198,8 @@ def _table(main: list[dict[str, Any]], dataset: str, methods: tuple[str, ...]) -
 
 
 def _minutes(main: list[dict[str, Any]]) -> list[str]:
-    groups = minutes_by_machine(main)
-    if not groups:
-        return []
-    per_machine = "; ".join(f"{_stats(m)} over {len(m)} cells" + (f" on {label}" if label else "")
-                            for label, m in groups)
-    return ["", f"Minutes per cell (all methods, incl. local training): {per_machine}."]
+    per_machine = minutes_per_machine(main)
+    return ["", f"Minutes per cell (all methods, incl. local training): {per_machine}."] if per_machine else []
 
 
 def _upload_check(main: list[dict[str, Any]]) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import budget_cells, failure_note, minutes_by_machine, run_cell, stats
+from hetfl.reproduce.common import budget_cells, failure_note, minutes_per_machine, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 BASELINES = tuple(m for m in METHODS if not m.startswith("fedmho"))  # what the paper ranks MD/SD against
@@ -185,14 +185,11 @@ def _all_cached(cell: dict[str, Any]) -> bool:
 
 
 def _minutes(cells: list[dict[str, Any]]) -> str:
-    groups = minutes_by_machine(cells)
-    if not groups:
+    per_machine = minutes_per_machine(cells, "cell(s)")
+    if not per_machine:
         return ""
-    timed = [s for s in cells if s.get("minutes")]
-    cached = sum(_all_cached(s) for s in timed)
+    cached = sum(_all_cached(s) for s in cells if s.get("minutes"))
     note = f"; {cached} of them with every client upload from the cache (server stages only)" if cached else ""
-    per_machine = "; ".join(f"{stats(m)} over {len(m)} cell(s)" + (f" on {label}" if label else "")
-                            for label, m in groups)
     return f"Minutes per cell (all methods, incl. local training unless cached): {per_machine}{note}."
 
 

@@ -20,18 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hetfl.host import keep_freed_memory
-    from hetfl.reproduce.common import run_missing_methods, train_cell_uploads
+    from hetfl.reproduce.common import run_missing_methods
 
     keep_freed_memory()
     torch.set_num_threads(int(job["threads"]))
     out = Path(job["out"])
     start = time.perf_counter()
     try:
-        if job.get("warm"):
-            train_cell_uploads({**job["config"], "methods": job["warm"]}, out, Path(job["cache"]),
-                               job["data_root"], bool(job["quiet"]))
         summary = run_missing_methods(job["config"], out, Path(job["cache"]) if job["cache"] else None,
-                                      job["data_root"], bool(job["quiet"]))
+                                      job["data_root"], bool(job["quiet"]), warm=job.get("warm"))
     except KeyboardInterrupt:
         print("worker: interrupted (checkpoints written so far are kept)", file=sys.stderr)
         return 130
