@@ -82,11 +82,11 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # The reduced budget with the paper's classifiers: VGG-9 clients (10 local epochs, bf16 autocast:
     # 0.35 s per batch of 64 against 0.45 s in fp32 on 2 AVX-512 cores; emulated and 37x slower on a
     # CPU without native bf16) and a VGG-9 server (fp32, the paper's server settings). With it SD beats
-    # plain FedMHO in 11 of 15 seed-cells and MD in 8 of 18, where cnn2 made both lose 18 of 18
+    # plain FedMHO in 14 of 18 seed-cells and MD in 9 of 18, where cnn2 made both lose 18 of 18
     # (docs/results/fedmho-notes.md). 46-48 min per MNIST cell for FedAvg and the FedMHO family on 2
     # avx512_bf16 cores, 15-17 more for FedCVAE-Ens; with VGG-9 teachers DENSE 11 min and Co-Boosting
-    # 17 min (server only), FedDF an estimated 22 min. On an H100 shared by seven cells: 7-8 min for all
-    # eight methods.
+    # 17 min (server only), FedDF an estimated 22 min. On an H100 or H200 shared by seven cells: 6-8 min
+    # for all eight methods.
     "vgg9-e10": {"large": "vgg9", "small": "lenet5", "server": "vgg9", "client_epochs": 10,
                  "client_precision": "bf16", "cvae": {"cvae_epochs": 10}, "fedcvae_cvae": "cvae_small",
                  "gen_epochs": 20, "generator_steps": 10, "gen_batch": 64, "feddf_steps": 1000,
