@@ -937,3 +937,36 @@ def test_fedmho_cell_variant_is_read_back_from_its_name_whatever_dashes_the_budg
     from hetfl.reproduce import fedmho as mho
 
     assert mho._variant(mho.cell_config("mnist", "0.1", 2, budget, variant=variant)) == variant
+
+
+def test_partial_report_compares_reruns_with_their_archived_cells_and_lists_what_only_they_measured(tmp_path):
+    from hetfl.reproduce.common import PARTIAL, partial_report
+
+    def cell(name: str, results: dict) -> dict:
+        return {"config": {"name": name}, "results": results}
+
+    assert partial_report(tmp_path, {}) == ""  # no partial/ folder: no section
+    (tmp_path / "cell-a.json").write_text(json.dumps(cell("cell-a", {
+        "m1": {"accuracy": 80.0, "best_accuracy": 81.0, "uploads_sha256": "x"},
+        "m2": {"accuracy": 70.0, "uploads_sha256": "x"}})))
+    (tmp_path / "cell-c.json").write_text(json.dumps(cell("cell-c", {
+        "m1": {"accuracy": 40.0, "uploads_sha256": "y"}, "m2": {"accuracy": 45.0}})))
+    rerun = tmp_path / PARTIAL / "rerun"
+    rerun.mkdir(parents=True)
+    (rerun / "cell-a.json").write_text(json.dumps(cell("cell-a", {
+        "m1": {"accuracy": 78.0, "best_accuracy": 79.0, "uploads_sha256": "x"},
+        "m3": {"accuracy": 50.0, "best_accuracy": 52.0, "uploads_sha256": "x"}})))
+    (rerun / "cell-c.json").write_text(json.dumps(cell("cell-c", {"m1": {"accuracy": 43.0, "uploads_sha256": "z"}})))
+    old = tmp_path / PARTIAL / "old"
+    old.mkdir()
+    (old / "cell-b.json").write_text(json.dumps(cell("cell-b", {"m1": {"accuracy": 60.0}})))  # no archived cell-b
+    text = partial_report(tmp_path, {"m3": "Method Three"})
+    assert text.startswith("### Re-runs kept apart")
+    assert "| `old` | 1 | 0 of 1 (1 without digests) | 0 | - |" in text
+    # cell-a: same digests, m1 -2.00; cell-c: other uploads, m1 +3.00 -> mean |2.00, 3.00| = 2.50, largest +3.00
+    assert "| `rerun` | 2 | 1 of 2 | 2 | 2.50 / +3.00 |" in text
+    assert text.index("`old`") < text.index("`rerun`")
+    only = text[text.index("Measured only in these re-runs"):]
+    assert "| cell-a | Method Three | 50.00 (52.00) | `rerun` |" in only
+    assert "| cell-b | m1 | 60.00 (60.00) | `old` |" in only
+    assert "cell-a | m1" not in only and "cell-c" not in only  # methods the archived cells have

@@ -146,6 +146,64 @@ def archive_and_say(root: Path, name: str, results: Path, curve_methods: tuple[s
     return saved
 
 
+def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    """``(runs folder, summary, archived cell or None)`` for every summary kept apart under
+    ``archive/partial/<runs folder>/`` (:func:`archive_cell`), sorted by folder and cell name."""
+    out = []
+    for p in sorted((archive / PARTIAL).glob("*/*.json")):
+        main = archive / p.name
+        out.append((p.parent.name, json.loads(p.read_text()), json.loads(main.read_text()) if main.is_file() else None))
+    return out
+
+
+def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two runs of a cell had byte-identical uploads: every method both ran that recorded
+    a digest has the same ``uploads_sha256``; None when no such method (older summaries lack it)."""
+    digests = [(a["results"][m].get("uploads_sha256"), b["results"][m].get("uploads_sha256"))
+               for m in set(a["results"]) & set(b["results"])]
+    digests = [(x, y) for x, y in digests if x and y]
+    return all(x == y for x, y in digests) if digests else None
+
+
+PARTIAL_INTRO = """Summaries of methods run again into another runs folder, on the seeds of archived cells (same
+code and config), kept in `{where}` because they lack some of the archived cell's methods, so the
+tables above do not use them. Per runs folder: how many cells had byte-identical uploads, and how far
+the methods both runs have lie apart (final %, this run minus the archived cell); then every method
+that only these re-runs measured."""
+
+
+def partial_report(archive: Path, labels: dict[str, str]) -> str:
+    """Markdown section on :func:`partial_runs` ("" when there are none): their agreement with the
+    archived cells, and the methods found only in them (final %, best over epochs in brackets)."""
+    runs = partial_runs(archive)
+    if not runs:
+        return ""
+    lines = ["### Re-runs kept apart", "", PARTIAL_INTRO.format(where=f"{archive.name}/{PARTIAL}/"), "",
+             "| runs folder | cells | same uploads | methods in both | final Δ: mean abs / largest |",
+             "|---|---|---|---|---|"]
+    only: list[str] = []
+    for folder in sorted({f for f, _, _ in runs}):
+        pairs = [(s, a) for f, s, a in runs if f == folder]
+        deltas = [s["results"][m]["accuracy"] - a["results"][m]["accuracy"]
+                  for s, a in pairs if a is not None for m in s["results"] if m in a["results"]]
+        verdicts = [same_uploads(s, a) if a is not None else None for s, a in pairs]
+        same = f"{verdicts.count(True)} of {len(pairs)}"
+        if unknown := verdicts.count(None):
+            same += f" ({unknown} without digests)"
+        spread = (f"{statistics.fmean(abs(d) for d in deltas):.2f} / {max(deltas, key=abs):+.2f}"
+                  if deltas else "-")
+        lines.append(f"| `{folder}` | {len(pairs)} | {same} | {len(deltas)} | {spread} |")
+        for s, a in pairs:
+            for m, r in s["results"].items():
+                if a is None or m not in a["results"]:
+                    only.append(f"| {s['config']['name']} | {labels.get(m, m)} | "
+                                f"{r['accuracy']:.2f} ({r.get('best_accuracy', r['accuracy']):.2f}) | `{folder}` |")
+    if only:
+        lines += ["", "Measured only in these re-runs:", "", "| cell | method | final (best) % | runs folder |",
+                  "|---|---|---|---|", *only]
+    return "\n".join(lines)
+
+
 def stats(values: list[float]) -> str:
     """``mean ± sd`` over seeds (just the value for one seed, ``-`` for none)."""
     if not values:

@@ -922,6 +922,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
         if body:
             figures = plot_client_sweep(cells, path, budget)
             bodies.append(body + "\n\n" + "\n\n".join(f"![{f.stem}]({f.name})" for f in figures))
+    bodies.append(common.partial_report(archive, LABELS))
     common.write_results(path, HEADER, bodies, notes)
 
 

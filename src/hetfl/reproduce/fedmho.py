@@ -444,7 +444,8 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     standing = standing_report(root, archive)
     if standing:
         standing += "\n\n" + kd_cost_report(root, path, archive)
-    bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS)]
+    bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
+              common.partial_report(archive, LABELS)]
     common.write_results(path, HEADER, bodies, notes)
     plot_curves(root, path)
 
