@@ -251,10 +251,9 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
 def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path) -> None:
-    """2 rounds of FedAvg with sampling. (A one-shot round with a server stage runs over real
-    processes in the TLS and killed-SuperNode tests; DENSE's generator stage, here until the
-    thirty-second session, cost one more round of ClientApp processes, 21 s of the suite, and is
-    now checked against the simulator through the fake Grid.)"""
+    """2 rounds of FedAvg with sampling. One-shot rounds run over real processes in the TLS and
+    killed-SuperNode tests; a generator stage (DENSE) is checked through the fake Grid, since here
+    it would cost one more round of ClientApp processes (21 s on 2 cores)."""
     cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
     feds: list[LocalFederation] = []
     summary = run_local(cfg, tmp_path / "fl", log=lambda line: None, on_started=lambda fed, rid: feds.append(fed))
