@@ -43,6 +43,8 @@ def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
         ("client.lr=-1", "bad local training config"),
         ("client.precision=fp8", "precision must be fp32 or bf16"),
         ("eval_every=0", "eval_every must be a positive integer"),
+        ("device=gpu", "device: 'gpu' is not one of auto, cpu, cuda, cuda:N, mps"),
+        ("device=cuda:x", "device: 'cuda:x' is not one of"),
     ],
 )
 def test_bad_configs_fail_with_the_documented_message(tmp_path, tiny_config, override, message):
@@ -70,3 +72,24 @@ def test_shipped_configs_are_valid():
     assert configs, "the repository ships example configs"
     for path in configs:
         load_config(path)
+
+
+def test_a_device_this_machine_lacks_fails_before_any_data_is_loaded(monkeypatch, tiny_config, tmp_path):
+    import torch
+
+    from hetfl.engine.simulator import prepare, resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("hetfl.engine.simulator.load_dataset", lambda *a: pytest.fail("data loaded"))
+    cfg = load_config(write(tmp_path, tiny_config), ["device=cuda"])
+    with pytest.raises(ConfigError, match="device: 'cuda' asked for, but torch .* sees no CUDA GPU here"):
+        prepare(cfg)
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="'cuda:1' asked for, but this machine has 1 CUDA device"):
+        resolve_device("cuda:1")
+    with pytest.raises(ConfigError, match="'gpu' is not one of"):
+        resolve_device("gpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetfl.config import ConfigError, load_config
+from hetfl.config import ConfigError, check_device, load_config
 from hetfl.data import DATASET_NAMES, PARTITION_KINDS, DataFormatError, PartitionError
 from hetfl.data.fetch import FetchError, fetch
 from hetfl.fl.payload import PayloadError
@@ -63,6 +63,7 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.device:
+        check_device(args.device)
         cfg["device"] = args.device
     out = Path(args.out or Path("runs") / f"{cfg['name']}-flower")
     quiet_prefixes = ("HTTP Request:",)
@@ -148,7 +149,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
     from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import archive_and_say, run_grid_parallel, run_missing_methods
+    from hetfl.reproduce.common import archive_and_say, check_choices, run_grid_parallel, run_missing_methods
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
@@ -169,14 +170,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         print(f"wrote {results}")
         return 0
     methods = tuple(csv(args.methods)) if args.methods else paper.METHODS
-    unknown = sorted(set(methods) - set(paper.METHODS) - set(paper.EXTRA))
-    if unknown or args.budget not in paper.BUDGETS:
-        raise ConfigError(f"unknown methods {unknown} or budget {args.budget!r}; "
-                          f"methods: {paper.METHODS + paper.EXTRA}, budgets: {list(paper.BUDGETS)}")
+    check_choices("methods", methods, paper.METHODS + paper.EXTRA)
+    check_choices("budget", args.budget, paper.BUDGETS)
     settings = [] if args.settings == "none" else csv(args.settings)  # none: only the --ablation cells
-    bad = sorted(set(settings) - set(paper.SETTINGS))
-    if bad:
-        raise ConfigError(f"unknown settings {bad}; choose from {paper.SETTINGS} (or none)")
+    check_choices("settings", settings, paper.SETTINGS, " (or none)")
     cells = paper.grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
                        [int(m) for m in csv(args.clients)], args.ablation, args.ablation_method)
     for cfg in cells:  # validate the whole grid before running anything

@@ -80,6 +80,18 @@ def client_archs(cfg: dict[str, Any]) -> list[str]:
     return [names[i % len(names)] for i in range(int(cfg["clients"]))]
 
 
+DEVICE_FORMS = "auto, cpu, cuda, cuda:N, mps"
+
+
+def check_device(name: Any) -> None:
+    """``device`` must name a torch device type this library supports (whether this machine has it
+    is checked when the experiment starts, since a config may be written on another machine)."""
+    import re
+
+    if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
+        raise ConfigError(f"device: {name!r} is not one of {DEVICE_FORMS}")
+
+
 def validate(cfg: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults and check every key; returns a new dictionary."""
     if not isinstance(cfg, dict):
@@ -95,6 +107,7 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"clients must be a positive integer, got {cfg['clients']!r}")
     if not isinstance(cfg["seed"], int):
         raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
+    check_device(cfg["device"])
     if not isinstance(cfg["partition"], dict):
         raise ConfigError("partition must be a mapping such as {kind: dirichlet, alpha: 0.1}")
     try:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 import hetfl
 import hetfl.methods  # noqa: F401  (registers methods and client tasks)
-from hetfl.config import client_archs
+from hetfl.config import ConfigError, check_device, client_archs
 from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
 from hetfl.fl.cache import UploadCache, request_key, uploads_digest
 from hetfl.fl.client import ClientEnv, handle
@@ -57,9 +57,23 @@ class Transport(Protocol):
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` = the GPU if torch sees one, else the CPU; a named device must be on this machine
+    (a :class:`ConfigError` says so before any data is loaded, instead of torch failing mid-run)."""
+    check_device(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"device: {name!r} asked for, but torch {torch.__version__} ({built}) sees no "
+                              "CUDA GPU here; use device auto or cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r} asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device: {name!r} asked for, but torch sees no MPS device here; use auto or cpu")
+    return device
 
 
 @dataclass
@@ -89,10 +103,11 @@ class Experiment:
 def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool = True) -> Experiment:
     """Load the dataset and make the partition (fails early on bad partitions). A remote
     server (``partitioned=False``) only evaluates on the test split and never partitions."""
+    device = resolve_device(cfg["device"])
     splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                                num_classes=splits.num_classes) if partitioned else None
-    return Experiment(cfg, splits, partition, client_archs(cfg), resolve_device(cfg["device"]))
+    return Experiment(cfg, splits, partition, client_archs(cfg), device)
 
 
 def config_hash(cfg: dict[str, Any], method: str) -> str:

@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,17 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
         lines += ["", "Measured only in these re-runs:", "", "| cell | method | final (best) % | runs folder |",
                   "|---|---|---|---|", *only]
     return "\n".join(lines)
+
+
+def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: Iterable[str], also: str = "") -> None:
+    """A :class:`hetfl.config.ConfigError` naming the command-line ``option``, its unknown values and
+    the valid ones (``also``: a further accepted form, e.g. " (or none)")."""
+    from hetfl.config import ConfigError
+
+    valid = list(valid)
+    bad = [g for g in ([given] if isinstance(given, str) else given) if g not in valid]
+    if bad:
+        raise ConfigError(f"--{option}: unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}{also}")
 
 
 def stats(values: list[float]) -> str:

@@ -453,7 +453,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
 # ---- command --------------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
     """``hetfl reproduce fedmho``: validate the whole grid, then run the cells not yet finished."""
-    from hetfl.config import ConfigError, validate
+    from hetfl.config import validate
 
     def csv(text: str) -> list[str]:
         return [t.strip() for t in text.split(",") if t.strip()]
@@ -467,10 +467,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     methods = tuple(csv(args.methods)) if args.methods else METHODS
     settings = csv(args.settings or ",".join(SETTINGS))
-    unknown = sorted(set(methods) - set(LABELS))
-    if unknown or args.budget not in BUDGETS or set(settings) - set(SETTINGS):
-        raise ConfigError(f"unknown methods {unknown}, budget {args.budget!r} or settings {settings}; methods: "
-                          f"{list(LABELS)}, budgets: {list(BUDGETS)}, settings: {list(SETTINGS)}")
+    common.check_choices("methods", methods, LABELS)
+    common.check_choices("budget", args.budget, BUDGETS)
+    common.check_choices("settings", settings, SETTINGS)
     cells = grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
                  args.ablation, getattr(args, "curve", False))
     for cfg in cells:  # validate the whole grid before running anything
