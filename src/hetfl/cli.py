@@ -149,7 +149,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
     from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import archive_and_say, check_choices, run_grid_parallel, run_missing_methods
+    from hetfl.reproduce.common import archive_and_say, check_choices, int_list, run_grid_parallel, run_missing_methods
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
@@ -174,8 +174,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     check_choices("budget", args.budget, paper.BUDGETS)
     settings = [] if args.settings == "none" else csv(args.settings)  # none: only the --ablation cells
     check_choices("settings", settings, paper.SETTINGS, " (or none)")
-    cells = paper.grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
-                       [int(m) for m in csv(args.clients)], args.ablation, args.ablation_method)
+    cells = paper.grid(csv(args.datasets), settings, int_list("seeds", args.seeds), args.budget, methods,
+                       int_list("clients", args.clients), args.ablation, args.ablation_method)
     for cfg in cells:  # validate the whole grid before running anything
         if args.device:
             cfg["device"] = args.device

@@ -215,6 +215,17 @@ def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: 
         raise ConfigError(f"--{option}: unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}{also}")
 
 
+def int_list(option: str, text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``, or a :class:`hetfl.config.ConfigError` naming ``--option``."""
+    from hetfl.config import ConfigError
+
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return [int(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"--{option}: expected comma-separated integers such as 0,1,2, got {text!r}") from None
+
+
 def stats(values: list[float]) -> str:
     """``mean ± sd`` over seeds (just the value for one seed, ``-`` for none)."""
     if not values:

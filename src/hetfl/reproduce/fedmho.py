@@ -470,7 +470,7 @@ def main(args: argparse.Namespace) -> int:
     common.check_choices("methods", methods, LABELS)
     common.check_choices("budget", args.budget, BUDGETS)
     common.check_choices("settings", settings, SETTINGS)
-    cells = grid(csv(args.datasets), settings, [int(s) for s in csv(args.seeds)], args.budget, methods,
+    cells = grid(csv(args.datasets), settings, common.int_list("seeds", args.seeds), args.budget, methods,
                  args.ablation, getattr(args, "curve", False))
     for cfg in cells:  # validate the whole grid before running anything
         if getattr(args, "device", None):
