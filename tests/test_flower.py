@@ -250,23 +250,13 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 
 
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
-def test_deployment_engine_equals_simulator_and_leaves_no_process(tmp_path: Path) -> None:
-    """2 rounds of FedAvg with sampling. One-shot rounds run over real processes in the TLS and
-    killed-SuperNode tests; a generator stage (DENSE) is checked through the fake Grid, since here
-    it would cost one more round of ClientApp processes (21 s on 2 cores)."""
-    cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
-    feds: list[LocalFederation] = []
-    summary = run_local(cfg, tmp_path / "fl", log=lambda line: None, on_started=lambda fed, rid: feds.append(fed))
-    engine = summary["engine"]
-    assert engine["status"] == "finished:completed" and engine["missing_nodes"] == [] and engine["tls"] is False
-    assert_same_results(summary, simulate(cfg, tmp_path / "sim"))
-    assert feds[0].alive() == [] and not feds[0].home.exists()
-
-
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
     """Everything over TLS, registered node keys; an intruder with an unregistered key is turned
-    away while the run completes and equals the simulator (one federation covers both)."""
-    cfg = config()
+    away while two sampled rounds of FedAvg complete, equal the simulator and leave no process.
+    (One federation covers all of it: each one costs about a minute of process start-ups on 2 cores.
+    The insecure transport runs in the killed-SuperNode and Ctrl-C tests; a generator stage, DENSE,
+    is checked against the simulator through the fake Grid.)"""
+    cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
     feds: list[LocalFederation] = []
 
     def intrude(fed: LocalFederation, run_id: int) -> None:
@@ -294,15 +284,20 @@ def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path
         if "round 0: sent" in line:
             connected.set()
 
+    feds: list[LocalFederation] = []
+
     def kill_one(fed: LocalFederation, run_id: int) -> None:
+        feds.append(fed)
         assert connected.wait(timeout=120)
         time.sleep(0.5)
         fed.kill("supernode-2")
 
     summary = run_local(cfg, tmp_path / "fl", log=log, on_started=kill_one)
+    assert summary["engine"]["status"] == "finished:completed" and summary["engine"]["tls"] is False
     result = summary["results"]["ensemble"]
     assert result["missing_clients"] == [2]
     assert "no reply" in result["client_failures"][0]["reason"]
+    assert feds[0].alive() == [] and not feds[0].home.exists()  # insecure mode leaves no process either
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
