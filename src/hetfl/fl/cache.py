@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,10 @@ class UploadCache:
             return None
         try:
             return Payload.from_bytes(path.read_bytes())
-        except PayloadError:
-            path.unlink(missing_ok=True)  # a torn write from an interrupted run: retrain
+        except PayloadError as err:  # a damaged file (e.g. a crash before it reached the disk): retrain
+            warnings.warn(f"upload cache: {path} is unreadable ({err}); removed, that client trains again",
+                          stacklevel=2)
+            path.unlink(missing_ok=True)
             return None
 
     def info(self, key: str) -> dict[str, Any]:
