@@ -1,0 +1,67 @@
+#!/bin/bash
+# Several `hetfl reproduce` cells side by side on one lent accelerator, under a deadline, for the
+# device tool's `run` (which copies the working tree, runs one command and brings back $OUT).
+#
+#   CELLS="fmnist:0.1:1 mnist:0.5:0" PAPER=fedmho BUDGET=vgg9-e10 DL=560 bash scripts/device-cells.sh
+#
+# Each cell (dataset:setting:seed) gets its own process, runs folder and upload cache, and runs its
+# methods one after another (METHODS, comma-separated; default: the paper's own list), so a cell
+# killed at the deadline keeps the methods it finished (each is written to summary.json as it ends).
+# A GPU is saturated by about seven such processes (nvidia-smi showed 99-100 % busy). At the end,
+# the summaries, metrics and partitions and every log go to $OUT/cells.tgz. To archive the cells
+# (a cell that lacks some of its archived copy's methods goes to partial/<folder>/, named after the
+# folder they are gathered in, e.g. the GPU):
+#
+#   mkdir -p /tmp/u /tmp/cells/gpu-h200 && tar xzf cells.tgz -C /tmp/u
+#   cp -r /tmp/u/device-work/runs/*/* /tmp/cells/gpu-h200/
+#   .venv/bin/python -c "from pathlib import Path; from hetfl.reproduce.common import archive_cell
+#   r = Path('/tmp/cells/gpu-h200')
+#   for c in sorted(r.iterdir()): print(archive_cell(r, c.name, Path('docs/results/fedmho-runs')))"
+#   .venv/bin/hetfl reproduce fedmho --report-only --out /tmp/empty --results docs/results/fedmho.md
+#
+# Environment: CELLS (required), PAPER (fedmho or fedhydra; default fedmho), BUDGET (default
+# vgg9-e10), METHODS, DL (seconds from start when running cells are stopped; default 540), DEV
+# (default cuda), THREADS (torch CPU threads per process; default 2), TESTS (1: also run the GPU
+# tolerance test beside the cells), OUT (default ./device-out), PY (default python3).
+set -u
+T0=$(date +%s)
+CELLS=${CELLS:?"CELLS='dataset:setting:seed ...' is required"}
+PAPER=${PAPER:-fedmho}; BUDGET=${BUDGET:-vgg9-e10}; DL=${DL:-540}; DEV=${DEV:-cuda}
+OUT=${OUT:-$PWD/device-out}; PY=${PY:-python3}
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2} MPLBACKEND=Agg
+work=device-work
+mkdir -p "$work/logs" "$OUT"
+{ command -v nvidia-smi >/dev/null && nvidia-smi; $PY -c "import sys, torch; print(sys.version); print(torch.__version__, torch.cuda.is_available())"; nproc; } \
+  > "$work/logs/env.txt" 2>&1
+left() { echo $(( DL - ($(date +%s) - T0) )); }
+
+cell() { # index dataset setting seed
+  local log=$work/logs/cell$1.log l
+  l=$(left)
+  if [ "$l" -le 30 ]; then echo "skip $2 $3 $4: deadline" >> "$log"; return 0; fi
+  echo "cell $2 $3 $4 start at $(( $(date +%s) - T0 ))s" >> "$log"
+  timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
+    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} \
+    --device "$DEV" --data-root data --cache-dir "$work/cache/$1" --out "$work/runs/$1" \
+    --results "$work/res/$1.md" --quiet >> "$log" 2>&1
+  echo "cell $2 $3 $4 rc=$? at $(( $(date +%s) - T0 ))s" >> "$log"
+}
+
+command -v nvidia-smi >/dev/null && { nvidia-smi dmon -s u -d 15 > "$work/logs/dmon.txt" 2>&1 & }
+pids=()
+i=0
+for spec in $CELLS; do
+  IFS=: read -r dataset setting seed <<< "$spec"
+  i=$((i + 1))
+  cell "$i" "$dataset" "$setting" "$seed" & pids+=($!)
+done
+if [ "${TESTS:-0}" = 1 ]; then
+  (nice -n 10 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_oneshot.py -k channels_last \
+     > "$work/logs/pytest.log" 2>&1; echo "pytest rc=$?" >> "$work/logs/pytest.log") & pids+=($!)
+fi
+wait "${pids[@]}"
+pkill -f "nvidia-smi dmon" 2>/dev/null
+echo "done at $(( $(date +%s) - T0 ))s" >> "$work/logs/env.txt"
+find "$work/runs" \( -name summary.json -o -name metrics.jsonl -o -name partition.json \) > "$work/logs/files.txt" 2>/dev/null
+tar czf "$OUT/cells.tgz" "$work/logs" -T "$work/logs/files.txt"
+grep -h "rc=\|skip" "$work"/logs/cell*.log
