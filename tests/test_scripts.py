@@ -1,0 +1,27 @@
+"""scripts/device-cells.sh: the device script's contract, without a device (no cell gets to run)."""
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device-cells.sh"
+
+
+def test_device_script_parses_and_requires_cells(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "CELLS"})
+    assert done.returncode != 0 and "CELLS='dataset:setting:seed ...' is required" in done.stderr
+
+
+def test_device_script_skips_cells_past_the_deadline_and_still_packs_its_logs(tmp_path):
+    env = {**os.environ, "CELLS": "mnist:0.5:0 fmnist:0.1:2", "DL": "10", "DEV": "cpu", "PY": sys.executable,
+           "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skip mnist 0.5 0: deadline" in done.stdout and "skip fmnist 0.1 2: deadline" in done.stdout
+    with tarfile.open(tmp_path / "out" / "cells.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"device-work/logs/cell1.log", "device-work/logs/cell2.log", "device-work/logs/env.txt"} <= names
