@@ -498,3 +498,26 @@ def test_ordering_without_md_and_sd_or_without_any_baseline_says_so() -> None:
     results = {m: {"accuracy": 90.0, "best_accuracy": 90.0} for m in ("fedmho_md", "fedmho_sd")}
     line = paper._ordering([{"config": cfg, "results": results}], "mnist")
     assert "Dir(0.5), n=1: no baseline ran on every seed of FedMHO-MD/SD" in line
+
+
+def test_class_shares_and_per_class_kd_costs_come_from_the_cells_own_partition() -> None:
+    from hetfl.data import load_dataset, make_partition
+    from hetfl.reproduce import fedmho as paper
+
+    data = {"classes": 4, "channels": 1, "size": 8, "train_per_class": 30, "test_per_class": 5}
+    cfg = validate({"name": "c", "seed": 3, "dataset": "synthetic", "data": data, "clients": 4,
+                    "partition": {"kind": "dirichlet", "alpha": 0.3}, "methods": {"fedmho": {}}})
+    labels = load_dataset("synthetic", "data", data).train.y.numpy()
+    part = make_partition(labels, 4, cfg["partition"], 3, num_classes=4)
+    expected = [100.0 * c / t for c, t in zip(part.counts[[0, 1]].sum(axis=0), part.counts.sum(axis=0))]
+    results = {"fedmho": {"generative_clients": [2, 3], "per_class": [50.0, 60.0, 70.0, 80.0]},
+               "fedmho_md": {"per_class": [40.0, 65.0, 70.0, 90.0]}}
+    summary = {"config": cfg, "clients": {"sizes": part.sizes.tolist()}, "results": results}
+    assert paper.class_shares(summary) == pytest.approx(expected)
+    points = paper.kd_class_costs([summary])
+    assert list(points) == ["fedmho_md"]
+    assert [x for x, _ in points["fedmho_md"]] == pytest.approx(expected)
+    assert [y for _, y in points["fedmho_md"]] == [10.0, -5.0, 0.0, -10.0]  # FedMHO - MD, class by class
+    wrong = {**summary, "clients": {"sizes": [1, 2, 3, 4]}}  # not this partition: no shares, no points
+    assert paper.class_shares(wrong) is None and paper.kd_class_costs([wrong]) == {}
+    assert paper.class_shares({**summary, "results": {"fedavg": {}}}) is None  # FedMHO did not run

@@ -330,6 +330,85 @@ def kd_costs(cells: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]
     return points
 
 
+_LABELS_CACHE: dict[tuple[str, str, str], Any] = {}
+
+
+def class_shares(summary: dict[str, Any]) -> list[float] | None:
+    """Per class, the % of its training images that FedMHO's classification clients hold (the rest
+    are with the generative clients), from the cell's partition recomputed from its config (the same
+    seeded :func:`hetfl.data.make_partition` as the run; checked against the recorded client sizes).
+    None when FedMHO did not run, the dataset is not on this disk, or the sizes disagree."""
+    from hetfl.data import load_dataset, make_partition
+
+    cfg, fedmho = summary["config"], summary["results"].get("fedmho", {})
+    generative = fedmho.get("generative_clients")
+    if generative is None:
+        return None
+    key = (cfg["dataset"], str(cfg.get("data_root", "data")), json.dumps(cfg.get("data", {}), sort_keys=True))
+    try:
+        if key not in _LABELS_CACHE:
+            splits = load_dataset(key[0], key[1], cfg.get("data", {}))
+            _LABELS_CACHE[key] = (splits.train.y.numpy(), splits.num_classes)
+        labels, num_classes = _LABELS_CACHE[key]
+    except (OSError, ValueError):  # no data here (a fresh clone before `make data`), or another format
+        return None
+    part = make_partition(labels, cfg["clients"], cfg["partition"], cfg["seed"], num_classes=num_classes)
+    if part.sizes.tolist() != summary.get("clients", {}).get("sizes", part.sizes.tolist()):
+        return None
+    classifiers = [k for k in range(cfg["clients"]) if k not in set(generative)]
+    held = part.counts[classifiers].sum(axis=0)
+    return [100.0 * float(h) / max(1, int(n)) for h, n in zip(held, part.counts.sum(axis=0))]
+
+
+def kd_class_costs(cells: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per KD variant, one ``(share of the class held by the classification clients, FedMHO - variant)``
+    point (per-class final %) per class of every cell that ran both and whose partition is known."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for s in cells:
+        r = s["results"]
+        base = r.get("fedmho", {}).get("per_class")
+        if not base or not any(r.get(m, {}).get("per_class") for m in KD_VARIANTS):
+            continue
+        shares = class_shares(s)
+        if shares is None:
+            continue
+        for m in KD_VARIANTS:
+            per_class = r.get(m, {}).get("per_class")
+            if per_class:
+                points.setdefault(m, []).extend((x, b - v) for x, b, v in zip(shares, base, per_class))
+    return points
+
+
+CLASS_BINS = ((0.0, 25.0, "under 25 % (mostly the CVAE clients')"), (25.0, 75.0, "25-75 %"),
+              (75.0, 100.01, "over 75 % (mostly the classifiers')"))
+
+
+def _class_cost_lines(points: dict[str, list[tuple[float, float]]], budget: str, path: Path) -> list[str]:
+    """The per-class section of :func:`kd_cost_report`: mean cost per share bin, and the scatter."""
+    from hetfl.report import plot_scatter_fits
+
+    if not points:
+        return []
+    lines = ["", f"Per class (budget `{budget}`): x = % of the class's training images held by the "
+             "classification clients (the KD teachers' side), y = FedMHO minus the variant on that class's "
+             "test images (final %; above 0 = the KD term cost that class). Mean y per range of x, "
+             "with the number of (cell, class) points:", "",
+             "| variant | " + " | ".join(label for _, _, label in CLASS_BINS) + " |",
+             "|---|" + "---|" * len(CLASS_BINS)]
+    for m, pts in points.items():
+        cells = []
+        for low, high, _ in CLASS_BINS:
+            ys = [y for x, y in pts if low <= x < high]
+            cells.append(f"{statistics.fmean(ys):+.2f} (n={len(ys)})" if ys else "-")
+        lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+    figure = path.with_name(f"{path.stem}-kd-per-class-{budget}.png")
+    if plot_scatter_fits({LABELS[m]: pts for m, pts in points.items()}, figure,
+                         "% of the class held by the classification clients", "FedMHO - KD variant, that class (%)",
+                         f"FedMHO: per-class cost of the KD term, budget {budget}"):
+        lines += ["", f"![KD cost per class, {budget}]({figure.name})"]
+    return lines
+
+
 def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
     """Markdown, per budget with Table 4 cells: what each KD variant costs against plain FedMHO, and a
     least-squares fit of that cost on FedMHO - w_0 (drawn as ``<stem>-kd-cost-<budget>.png`` beside ``path``)."""
@@ -359,6 +438,7 @@ def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
                              "FedMHO - w_0 (final %)", "FedMHO - KD variant (final %)",
                              f"FedMHO: cost of the KD term, budget {budget}"):
             lines += ["", f"![KD cost, {budget}]({figure.name})"]
+        lines += _class_cost_lines(kd_class_costs(main), budget, path)
         lines.append("")
     return "\n".join(lines)
 
