@@ -521,3 +521,5 @@ def test_class_shares_and_per_class_kd_costs_come_from_the_cells_own_partition()
     wrong = {**summary, "clients": {"sizes": [1, 2, 3, 4]}}  # not this partition: no shares, no points
     assert paper.class_shares(wrong) is None and paper.kd_class_costs([wrong]) == {}
     assert paper.class_shares({**summary, "results": {"fedavg": {}}}) is None  # FedMHO did not run
+    recorded = {**wrong, "clients": {"sizes": [1, 2, 3, 4], "class_counts": [[1, 0], [0, 2], [2, 1], [1, 3]]}}
+    assert paper.class_shares(recorded) == pytest.approx([25.0, 100 / 3])  # the summary's own counts win

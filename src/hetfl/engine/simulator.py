@@ -401,8 +401,10 @@ class Simulator:
         summary = {
             "config": self.exp.cfg,
             "results": results,
-            "clients": {"archs": self.exp.archs, **({"sizes": self.exp.partition.sizes.tolist()}
-                                                    if self.exp.partition is not None else {})},
+            "clients": {"archs": self.exp.archs,
+                        **({"sizes": self.exp.partition.sizes.tolist(),
+                            "class_counts": self.exp.partition.counts.tolist()}  # (clients, classes)
+                           if self.exp.partition is not None else {})},
             "engine": self.engine_info,
             "environment": {"hetfl": hetfl.__version__, "torch": torch.__version__,
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),

@@ -335,15 +335,23 @@ _LABELS_CACHE: dict[tuple[str, str, str], Any] = {}
 
 def class_shares(summary: dict[str, Any]) -> list[float] | None:
     """Per class, the % of its training images that FedMHO's classification clients hold (the rest
-    are with the generative clients), from the cell's partition recomputed from its config (the same
-    seeded :func:`hetfl.data.make_partition` as the run; checked against the recorded client sizes).
-    None when FedMHO did not run, the dataset is not on this disk, or the sizes disagree."""
+    are with the generative clients): from the summary's ``clients.class_counts`` where it has them,
+    else from the cell's partition recomputed from its config (the same seeded
+    :func:`hetfl.data.make_partition` as the run; checked against the recorded client sizes).
+    None when FedMHO did not run, or the counts are not recorded, the dataset is not on this disk
+    and so cannot be recomputed, or the sizes disagree."""
+    import numpy as np
+
     from hetfl.data import load_dataset, make_partition
 
     cfg, fedmho = summary["config"], summary["results"].get("fedmho", {})
     generative = fedmho.get("generative_clients")
     if generative is None:
         return None
+    classifiers = [k for k in range(cfg["clients"]) if k not in set(generative)]
+    if "class_counts" in summary.get("clients", {}):
+        counts = np.asarray(summary["clients"]["class_counts"])
+        return [100.0 * float(h) / max(1, int(n)) for h, n in zip(counts[classifiers].sum(axis=0), counts.sum(axis=0))]
     key = (cfg["dataset"], str(cfg.get("data_root", "data")), json.dumps(cfg.get("data", {}), sort_keys=True))
     try:
         if key not in _LABELS_CACHE:
@@ -355,7 +363,6 @@ def class_shares(summary: dict[str, Any]) -> list[float] | None:
     part = make_partition(labels, cfg["clients"], cfg["partition"], cfg["seed"], num_classes=num_classes)
     if part.sizes.tolist() != summary.get("clients", {}).get("sizes", part.sizes.tolist()):
         return None
-    classifiers = [k for k in range(cfg["clients"]) if k not in set(generative)]
     held = part.counts[classifiers].sum(axis=0)
     return [100.0 * float(h) / max(1, int(n)) for h, n in zip(held, part.counts.sum(axis=0))]
 
