@@ -333,25 +333,14 @@ def kd_costs(cells: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]
 _LABELS_CACHE: dict[tuple[str, str, str], Any] = {}
 
 
-def class_shares(summary: dict[str, Any]) -> list[float] | None:
-    """Per class, the % of its training images that FedMHO's classification clients hold (the rest
-    are with the generative clients): from the summary's ``clients.class_counts`` where it has them,
-    else from the cell's partition recomputed from its config (the same seeded
-    :func:`hetfl.data.make_partition` as the run; checked against the recorded client sizes).
-    None when FedMHO did not run, or the counts are not recorded, the dataset is not on this disk
-    and so cannot be recomputed, or the sizes disagree."""
-    import numpy as np
-
+def recomputed_class_counts(summary: dict[str, Any]) -> Any:
+    """The cell's (clients, classes) counts from its partition recomputed from its config (the same
+    seeded :func:`hetfl.data.make_partition` as the run), for summaries that predate
+    ``clients.class_counts``; None when the dataset is not on this disk or the client sizes disagree
+    with the recorded ones."""
     from hetfl.data import load_dataset, make_partition
 
-    cfg, fedmho = summary["config"], summary["results"].get("fedmho", {})
-    generative = fedmho.get("generative_clients")
-    if generative is None:
-        return None
-    classifiers = [k for k in range(cfg["clients"]) if k not in set(generative)]
-    if "class_counts" in summary.get("clients", {}):
-        counts = np.asarray(summary["clients"]["class_counts"])
-        return [100.0 * float(h) / max(1, int(n)) for h, n in zip(counts[classifiers].sum(axis=0), counts.sum(axis=0))]
+    cfg = summary["config"]
     key = (cfg["dataset"], str(cfg.get("data_root", "data")), json.dumps(cfg.get("data", {}), sort_keys=True))
     try:
         if key not in _LABELS_CACHE:
@@ -363,8 +352,22 @@ def class_shares(summary: dict[str, Any]) -> list[float] | None:
     part = make_partition(labels, cfg["clients"], cfg["partition"], cfg["seed"], num_classes=num_classes)
     if part.sizes.tolist() != summary.get("clients", {}).get("sizes", part.sizes.tolist()):
         return None
-    held = part.counts[classifiers].sum(axis=0)
-    return [100.0 * float(h) / max(1, int(n)) for h, n in zip(held, part.counts.sum(axis=0))]
+    return part.counts
+
+
+def class_shares(summary: dict[str, Any]) -> list[float] | None:
+    """Per class, the % of its training images that FedMHO's classification clients hold (the rest
+    are with the generative clients), from the summary's ``clients.class_counts`` or else
+    :func:`recomputed_class_counts`; None when FedMHO did not run or the counts are unknown."""
+    import numpy as np
+
+    generative = summary["results"].get("fedmho", {}).get("generative_clients")
+    counts = summary.get("clients", {}).get("class_counts")
+    if generative is None or (counts is None and (counts := recomputed_class_counts(summary)) is None):
+        return None
+    counts = np.asarray(counts)
+    classifiers = [k for k in range(len(counts)) if k not in set(generative)]
+    return [100.0 * float(h) / max(1, int(n)) for h, n in zip(counts[classifiers].sum(axis=0), counts.sum(axis=0))]
 
 
 def kd_class_costs(cells: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
