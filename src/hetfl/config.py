@@ -7,6 +7,7 @@ models, datasets and partition kinds fail with the list of valid names.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,6 @@ DEVICE_FORMS = "auto, cpu, cuda, cuda:N, mps"
 def check_device(name: Any) -> None:
     """``device`` must name a torch device type this library supports (whether this machine has it
     is checked when the experiment starts, since a config may be written on another machine)."""
-    import re
-
     if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
         raise ConfigError(f"device: {name!r} is not one of {DEVICE_FORMS}")
 
