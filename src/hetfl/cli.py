@@ -149,7 +149,14 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from hetfl.config import validate
     from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import archive_and_say, check_choices, int_list, run_grid_parallel, run_missing_methods
+    from hetfl.reproduce.common import (
+        archive_and_say,
+        check_choices,
+        csv,
+        int_list,
+        run_grid_parallel,
+        run_missing_methods,
+    )
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
@@ -157,9 +164,6 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         from hetfl.reproduce import fedmho
 
         return fedmho.main(args)
-
-    def csv(text: str) -> list[str]:
-        return [t.strip() for t in text.split(",") if t.strip()]
 
     args.settings = args.settings or "0.5,0.3,0.1,0.01,2c/c"
     root = Path(args.out or "runs/reproduce-fedhydra")

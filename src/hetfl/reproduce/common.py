@@ -156,13 +156,26 @@ def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any
     return out
 
 
-def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
-    """Whether two runs of a cell had byte-identical uploads: every method both ran that recorded
-    a digest has the same ``uploads_sha256``; None when no such method (older summaries lack it)."""
-    digests = [(a["results"][m].get("uploads_sha256"), b["results"][m].get("uploads_sha256"))
-               for m in set(a["results"]) & set(b["results"])]
-    digests = [(x, y) for x, y in digests if x and y]
-    return all(x == y for x, y in digests) if digests else None
+def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
+    and then, where both recorded it, the same ``uploads_sha256`` in every method's result (runs since
+    that field), else FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
+    keys = ("dataset", "seed", "clients", "partition", "client", "server")
+    if any(a["config"].get(k) != b["config"].get(k) for k in keys):
+        return False
+    digests_a, digests_b = upload_digests(a), upload_digests(b)
+    if digests_a and digests_b:
+        return len(digests_a | digests_b) == 1
+
+    def accuracy(cell: dict[str, Any], method: str) -> float | None:
+        return cell["results"].get(method, {}).get("accuracy")
+
+    # FedAvg must have run in both; the ensemble must agree too (or be absent from both)
+    return accuracy(a, "fedavg") is not None and all(accuracy(a, m) == accuracy(b, m) for m in ("fedavg", "ensemble"))
+
+
+def upload_digests(cell: dict[str, Any]) -> set[str]:
+    return {r["uploads_sha256"] for r in cell["results"].values() if "uploads_sha256" in r}
 
 
 PARTIAL_INTRO = """Summaries of methods run again into another runs folder, on the seeds of archived cells (same
@@ -186,9 +199,8 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
         pairs = [(s, a) for f, s, a in runs if f == folder]
         deltas = [s["results"][m]["accuracy"] - a["results"][m]["accuracy"]
                   for s, a in pairs if a is not None for m in s["results"] if m in a["results"]]
-        verdicts = [same_uploads(s, a) if a is not None else None for s, a in pairs]
-        same = f"{verdicts.count(True)} of {len(pairs)}"
-        if unknown := verdicts.count(None):
+        same = f"{sum(a is not None and same_uploads(s, a) for s, a in pairs)} of {len(pairs)}"
+        if unknown := sum(a is None or not (upload_digests(s) and upload_digests(a)) for s, a in pairs):
             same += f" ({unknown} without digests)"
         spread = (f"{statistics.fmean(abs(d) for d in deltas):.2f} / {max(deltas, key=abs):+.2f}"
                   if deltas else "-")
@@ -215,13 +227,17 @@ def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: 
         raise ConfigError(f"--{option}: unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}{also}")
 
 
+def csv(text: str) -> list[str]:
+    """A comma-separated command-line value as its non-empty, stripped items."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def int_list(option: str, text: str) -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]``, or a :class:`hetfl.config.ConfigError` naming ``--option``."""
     from hetfl.config import ConfigError
 
-    items = [t.strip() for t in text.split(",") if t.strip()]
     try:
-        return [int(t) for t in items]
+        return [int(t) for t in csv(text)]
     except ValueError:
         raise ConfigError(f"--{option}: expected comma-separated integers such as 0,1,2, got {text!r}") from None
 

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import budget_cells, cell_minutes, minutes_per_machine, run_cell  # noqa: F401  (run_cell: used as paper.run_cell)
+from hetfl.reproduce.common import (  # noqa: F401  (run_cell: used as paper.run_cell)
+    budget_cells,
+    cell_minutes,
+    minutes_per_machine,
+    run_cell,
+    same_uploads,
+    upload_digests,
+)
 from hetfl.reproduce.common import stats as _stats
 
 METHODS = ("fedavg", "ot", "feddf", "dense", "coboosting", "fedhydra")
@@ -205,10 +212,10 @@ def _minutes(main: list[dict[str, Any]]) -> list[str]:
 def _upload_check(main: list[dict[str, Any]]) -> list[str]:
     """A line on the cells that record ``uploads_sha256``: whether every method of each (carried-over
     ones included) ran on the same upload bytes; nothing when no cell records it (runs before 2026-11-25)."""
-    recorded = [s for s in main if _upload_digests(s)]
+    recorded = [s for s in main if upload_digests(s)]
     if not recorded:
         return []
-    mixed = [s["config"]["name"] for s in recorded if len(_upload_digests(s)) > 1]
+    mixed = [s["config"]["name"] for s in recorded if len(upload_digests(s)) > 1]
     verdict = (f"**methods ran on different uploads in {', '.join(mixed)}**." if mixed
                else "in each, every method that records it ran on byte-identical uploads.")
     return ["", f"Uploads: {len(recorded)} of {len(main)} cells record `uploads_sha256`; {verdict}"]
@@ -269,7 +276,7 @@ def _timing_host(cell: dict[str, Any], method: str) -> tuple[str | None, str | N
 
 def precision_pairs(folder: Path) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """``(budget, fp32 cell, cell)`` for every one-cache cell of a non-fp32 budget whose fp32 twin cell
-    (:func:`fp32_twin`, same name otherwise) ran on the same uploads (:func:`_same_uploads`)."""
+    (:func:`fp32_twin`, same name otherwise) ran on the same uploads (:func:`same_uploads`)."""
     if not folder.is_dir():
         return []
     pairs = []
@@ -280,7 +287,7 @@ def precision_pairs(folder: Path) -> list[tuple[str, dict[str, Any], dict[str, A
         fp32 = {_cell_key(s, twin): s for s in budget_cells(folder, "fedhydra", twin, folder)}
         for cell in budget_cells(folder, "fedhydra", budget, folder):
             base = fp32.get(_cell_key(cell, budget))
-            if base is not None and _same_uploads(base, cell):
+            if base is not None and same_uploads(base, cell):
                 pairs.append((budget, base, cell))
     return pairs
 
@@ -494,31 +501,9 @@ def _cell_key(cell: dict[str, Any], budget: str) -> str:
     return cell["config"]["name"].removesuffix(f"-{budget}")
 
 
-def _same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
-    and then, where both recorded it, the same ``uploads_sha256`` in every method's result (runs since
-    that field), else FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
-    keys = ("dataset", "seed", "clients", "partition", "client", "server")
-    if any(a["config"].get(k) != b["config"].get(k) for k in keys):
-        return False
-    digests_a, digests_b = _upload_digests(a), _upload_digests(b)
-    if digests_a and digests_b:
-        return len(digests_a | digests_b) == 1
-
-    def accuracy(cell: dict[str, Any], method: str) -> float | None:
-        return cell["results"].get(method, {}).get("accuracy")
-
-    # FedAvg must have run in both; the ensemble must agree too (or be absent from both)
-    return accuracy(a, "fedavg") is not None and all(accuracy(a, m) == accuracy(b, m) for m in ("fedavg", "ensemble"))
-
-
-def _upload_digests(cell: dict[str, Any]) -> set[str]:
-    return {r["uploads_sha256"] for r in cell["results"].values() if "uploads_sha256" in r}
-
-
 def _carry_over(cell: dict[str, Any], budget: str, others: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """``cell`` with each :data:`BUDGET_FREE` method it lacks taken from the same cell at another budget
-    (first in :data:`BUDGETS` order) where :func:`_same_uploads` holds and the method ran with the
+    (first in :data:`BUDGETS` order) where :func:`same_uploads` holds and the method ran with the
     parameters this budget gives it; the result gets ``carried_from``: that budget."""
     missing = [m for m in BUDGET_FREE if m not in cell["results"]]
     if not missing or "fedavg" not in cell["results"]:
@@ -527,7 +512,7 @@ def _carry_over(cell: dict[str, Any], budget: str, others: dict[str, list[dict[s
     params = cell_config(cfg["dataset"], _setting_of(cfg), cfg["seed"], budget, clients=cfg["clients"])["methods"]
     results = dict(cell["results"])
     for other, cells in others.items():
-        source = next((s for s in cells if _cell_key(s, other) == key and _same_uploads(cell, s)), None)
+        source = next((s for s in cells if _cell_key(s, other) == key and same_uploads(cell, s)), None)
         if source is None:
             continue
         for m in missing:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hetfl.reproduce import common
-from hetfl.reproduce.common import budget_cells, failure_note, minutes_per_machine, run_cell, stats
+from hetfl.reproduce.common import budget_cells, csv, failure_note, minutes_per_machine, run_cell, stats
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 BASELINES = tuple(m for m in METHODS if not m.startswith("fedmho"))  # what the paper ranks MD/SD against
@@ -544,9 +544,6 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
 def main(args: argparse.Namespace) -> int:
     """``hetfl reproduce fedmho``: validate the whole grid, then run the cells not yet finished."""
     from hetfl.config import validate
-
-    def csv(text: str) -> list[str]:
-        return [t.strip() for t in text.split(",") if t.strip()]
 
     root = Path(args.out or "runs/reproduce-fedmho")
     results = Path(args.results or "docs/results/fedmho.md")
