@@ -21,8 +21,11 @@
 #
 # Environment: CELLS (required), PAPER (fedmho or fedhydra; default fedmho), BUDGET (default
 # vgg9-e10), METHODS, DL (seconds from start when running cells are stopped; default 540), DEV
-# (default cuda), THREADS (torch CPU threads per process; default 2), TESTS (1: also run the GPU
-# tolerance test beside the cells), OUT (default ./device-out), PY (default python3).
+# (default cuda), THREADS (torch CPU threads per process; default 2), JOBS (a cell's `--jobs`: its
+# clients once, then one worker per method on the cached uploads; a cell's setting may then be a
+# comma list, e.g. fmnist:0.5,0.3:0, one process for both), TESTS (1: also run the GPU tolerance test
+# beside the cells), PACK_CACHE (1: also pack the upload caches, to run more methods on the same
+# uploads elsewhere; small models only), OUT (default ./device-out), PY (default python3).
 set -u
 T0=$(date +%s)
 CELLS=${CELLS:?"CELLS='dataset:setting:seed ...' is required"}
@@ -41,7 +44,7 @@ cell() { # index dataset setting seed
   if [ "$l" -le 30 ]; then echo "skip $2 $3 $4: deadline" >> "$log"; return 0; fi
   echo "cell $2 $3 $4 start at $(( $(date +%s) - T0 ))s" >> "$log"
   timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
-    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} \
+    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} \
     --device "$DEV" --data-root data --cache-dir "$work/cache/$1" --out "$work/runs/$1" \
     --results "$work/res/$1.md" --quiet >> "$log" 2>&1
   echo "cell $2 $3 $4 rc=$? at $(( $(date +%s) - T0 ))s" >> "$log"
@@ -62,6 +65,8 @@ fi
 wait "${pids[@]}"
 pkill -f "nvidia-smi dmon" 2>/dev/null
 echo "done at $(( $(date +%s) - T0 ))s" >> "$work/logs/env.txt"
-find "$work/runs" \( -name summary.json -o -name metrics.jsonl -o -name partition.json \) > "$work/logs/files.txt" 2>/dev/null
+find "$work/runs" \( -name summary.json -o -name metrics.jsonl -o -name partition.json -o -name "*.log" \) \
+  > "$work/logs/files.txt" 2>/dev/null
+[ "${PACK_CACHE:-0}" = 1 ] && find "$work/cache" -type f >> "$work/logs/files.txt" 2>/dev/null
 tar czf "$OUT/cells.tgz" "$work/logs" -T "$work/logs/files.txt"
 grep -h "rc=\|skip" "$work"/logs/cell*.log

@@ -445,3 +445,37 @@ def test_fedhydra_with_a_replay_pool_checkpoints_and_resumes(tmp_path):
     again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     assert again["results"]["fedhydra"]["resumed_from_epoch"] == 3
     assert again["results"]["fedhydra"]["accuracy"] == pytest.approx(first["results"]["fedhydra"]["accuracy"])
+
+
+def _distiller(tmp_path, **cfg):
+    from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller
+    from hetfl.fl.method import ServerContext
+    from hetfl.methods.dense import DenseRecipe
+
+    torch.manual_seed(0)
+    teachers = [build_model("cnn2", 1, 28, 10) for _ in range(2)]
+    ctx = ServerContext(seed=0, num_classes=10, shape=(1, 28, 28), num_clients=2, client_archs=["cnn2"] * 2,
+                        server_arch="cnn2", train_cfg=TrainConfig(), device=CPU, out_dir=tmp_path,
+                        evaluate=lambda model: {"accuracy": 0.0}, log=lambda *a, **k: None,
+                        progress=lambda it, **k: it, pooled_train_data=lambda: None)
+    config = DataFreeConfig(epochs=1, generator_steps=1, batch_size=8, lr=0.5, momentum=0.0, **cfg)
+    return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), config, ctx, "dense")
+
+
+def test_kd_step_reports_its_peak_gradient_norm_and_grad_clip_bounds_the_step(tmp_path):
+    from hetfl.fl.datafree import DataFreeConfig
+
+    with pytest.raises(ValueError, match="grad_clip must be >= 0"):
+        DataFreeConfig(grad_clip=-1.0)
+    steps = {}
+    for clip in (0.0, 1e-3):
+        engine = _distiller(tmp_path / str(clip), grad_clip=clip)
+        batch = engine.synthesize(1)
+        before = torch.cat([p.detach().flatten().clone() for p in engine.student.parameters()])
+        loss, peak = engine.distill(batch)
+        after = torch.cat([p.detach().flatten() for p in engine.student.parameters()])
+        assert np.isfinite(loss) and peak > 1e-3  # the norm before clipping, in both runs
+        steps[clip] = (float((after - before).norm()), peak)
+    assert steps[0.0][1] == pytest.approx(steps[1e-3][1], rel=1e-5)  # same start, same batch, same norm
+    assert steps[0.0][0] == pytest.approx(0.5 * steps[0.0][1], rel=1e-4)  # plain SGD: lr x |g|
+    assert steps[1e-3][0] == pytest.approx(0.5 * 1e-3, rel=1e-3)  # clipped to lr x grad_clip
