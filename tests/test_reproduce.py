@@ -979,3 +979,28 @@ def test_partial_report_compares_reruns_with_their_archived_cells_and_lists_what
     assert "| cell-a | Method Three | 50.00 (52.00) | `rerun` |" in only
     assert "| cell-b | m1 | 60.00 (60.00) | `old` |" in only
     assert "cell-a | m1" not in only and "cell-c" not in only  # methods the archived cells have
+
+
+def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
+    from hetfl.reproduce.fedhydra import curve_run_rows, curve_runs_report
+
+    folder = tmp_path / "runs" / "paper-server-curves"
+    folder.mkdir(parents=True)
+    assert curve_runs_report(folder, tmp_path / "r.md") == ""  # no runs.json: no section
+    accs = [6.0, 45.0, 70.0, 10.0, 10.0, 62.0, 70.0, 9.9]  # early 6 % is not a collapse; the best's first epoch
+    (folder / "a.jsonl").write_text("\n".join(
+        json.dumps({"method": "dense", "step": i, "kd_loss": 1.0, "kd_grad_max": float(i), "accuracy": a})
+        for i, a in enumerate(accs, 1)) + "\n" + json.dumps({"method": "dense", "step": -1, "accuracy": 9.9}) + "\n")
+    (folder / "runs.json").write_text(json.dumps({"about": "test", "runs": [
+        {"cell": "fmnist-0.5-s0", "method": "dense", "run": "call 1", "file": "a.jsonl"}]}))
+    (row,) = curve_run_rows(folder)
+    assert (row["epochs"], row["best"], row["best_epoch"], row["final"]) == (8, 70.0, 3, 9.9)
+    assert (row["collapsed"], row["first_collapse"], row["grad_max"]) == (3, 4, 8.0)
+    body = curve_runs_report(folder, tmp_path / "r.md")
+    assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 3 (from 4) | 8.0 |" in body
+    assert (tmp_path / "r-paper-server-curves.png").is_file()
+    (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
+    (folder / "runs.json").write_text(json.dumps({"runs": [{"cell": "c", "method": "dense", "run": "r",
+                                                            "file": "b.jsonl"}]}))
+    with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch"):
+        curve_run_rows(folder)

@@ -222,3 +222,37 @@ def test_results_table_columns_line_up_whatever_the_method_names():
     assert [x[:acc_end].rstrip().endswith("46.37") for x in lines[2:4]] == [True, True]
     assert len({len(x) for x in lines[:4]}) == 1  # header, rule and rows of one width
     assert lines[4].startswith("  student") and lines[4][:acc_end].endswith("12.50")
+
+
+def test_imported_uploads_from_another_device_are_used_byte_for_byte(tmp_path, tiny_config):
+    from hetfl.fl.cache import _head_key, import_uploads
+    from hetfl.fl.payload import PayloadError
+
+    gpu = tmp_path / "gpu"  # a cache as a GPU run leaves it: the same uploads under cuda's keys
+    first = run(tiny_config, tmp_path / "a", tmp_path / "cpu")
+    for info_path in (tmp_path / "cpu").rglob("*.json"):
+        info = json.loads(info_path.read_text())
+        assert info["keyed_for"] == {"torch": torch.__version__, "device": "cpu"} and info["request_tensors"] == []
+        key = _head_key(info["fingerprint"], info["request"], "2.11.0+cu130", "cuda")
+        UploadCache(gpu).put(key, UploadCache(tmp_path / "cpu").get(info_path.stem),
+                             {**{k: v for k, v in info.items() if k not in ("key", "meta")},
+                              "keyed_for": {"torch": "2.11.0+cu130", "device": "cuda"}})
+    names = {folder: {p.name for p in folder.rglob("*.safetensors")} for folder in (gpu, tmp_path / "cpu")}
+    assert len(names[gpu]) == 3 and not names[gpu] & names[tmp_path / "cpu"]  # cuda's keys: a CPU run misses them
+    pairs = import_uploads(gpu, tmp_path / "here", torch.device("cpu"))
+    assert len(pairs) == 3 and all(old != new for old, new in pairs)
+    second = run(tiny_config, tmp_path / "b", tmp_path / "here")
+    assert second["results"]["fedavg"]["cached_uploads"] == 3
+    assert second["results"]["fedavg"]["uploads_sha256"] == first["results"]["fedavg"]["uploads_sha256"]
+    assert second["results"]["fedavg"]["accuracy"] == first["results"]["fedavg"]["accuracy"]
+    # an entry whose key does not match its fingerprint and request is refused, naming the file
+    info_path = next(gpu.rglob("*.json"))
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "fingerprint": {**info["fingerprint"], "seed": 99}}))
+    with pytest.raises(PayloadError, match=f"{info_path.name}: the key does not match"):
+        import_uploads(gpu, tmp_path / "other", torch.device("cpu"))
+    info_path.write_text(json.dumps({**info, "request_tensors": ["w"]}))
+    with pytest.raises(PayloadError, match="carried tensors"):
+        import_uploads(gpu, tmp_path / "other", torch.device("cpu"))
+    with pytest.raises(PayloadError, match="no upload-cache entries"):
+        import_uploads(tmp_path / "empty", tmp_path / "other", torch.device("cpu"))

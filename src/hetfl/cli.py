@@ -141,6 +141,18 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_import(args: argparse.Namespace) -> int:
+    import torch
+
+    from hetfl.fl.cache import import_uploads
+
+    pairs = import_uploads(args.src, args.cache_dir, torch.device(args.device))
+    for old, new in pairs:
+        print(f"{old[:16]} -> {new[:16]}")
+    print(f"imported {len(pairs)} uploads into {args.cache_dir} (keyed for {args.device})")
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     fetch(args.names or ["mnist", "fmnist"], Path(args.root))
     return 0
@@ -266,6 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_p.add_argument("names", nargs="*", help="mnist, fmnist (default: both)")
     fetch_p.add_argument("--root", default="data", help="data root (default: data)")
     fetch_p.set_defaults(func=cmd_fetch)
+
+    cache = sub.add_parser("cache", help="upload-cache utilities")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    imp = cache_sub.add_parser("import", help="re-key another cache's uploads (e.g. from a GPU) for this torch and "
+                               "device, to run more methods here on byte-identical uploads")
+    imp.add_argument("src", help="the other cache folder")
+    imp.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"),
+                     help="cache folder to add them to (default: $HETFL_CACHE or cache/uploads)")
+    imp.add_argument("--device", default="cpu", help="the device the runs here use (default: cpu)")
+    imp.set_defaults(func=cmd_cache_import)
 
     rep = sub.add_parser("reproduce", help="run a paper's main tables and write docs/results/<paper>.md")
     rep.add_argument("paper", choices=["fedhydra", "fedmho"])

@@ -208,6 +208,8 @@ class Simulator:
                 # the thread count is recorded, not keyed: CPU kernels split their sums by thread,
                 # so retraining with another count gives other bits (a cached upload is reused as is)
                 self.cache.put(key, upload, {"fingerprint": exp.fingerprint(cid), "request": message.meta,
+                                             "request_tensors": sorted(message.tensors),
+                                             "keyed_for": {"torch": torch.__version__, "device": exp.device.type},
                                              "seconds": seconds, "torch_threads": torch.get_num_threads()})
         else:  # report the time it took when it was trained, so cached methods show the same cost
             seconds = float(self.cache.info(key).get("seconds", 0.0))

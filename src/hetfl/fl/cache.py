@@ -11,6 +11,10 @@ device with the same torch thread count: CPU kernels split their sums by thread,
 count changes the last bits, and ten local epochs turn that into accuracy differences of up to a
 few points. The count is written beside each upload (``torch_threads``), not keyed, so a cached
 upload is reused whatever the current count.
+
+:func:`import_uploads` re-keys another cache's uploads (say, trained on a lent GPU) for this torch and
+device, on purpose: more methods then run here on byte-identical uploads (``uploads_sha256`` in a
+summary shows it), e.g. a CPU-only baseline beside GPU-run ones.
 """
 
 from __future__ import annotations
@@ -87,3 +91,43 @@ class UploadCache:
         os.replace(tmp, path)  # atomic: a crash never leaves a half-written upload
         info = {"key": key, **describe, "meta": payload.meta}
         path.with_suffix(".json").write_text(json.dumps(info, indent=1, sort_keys=True))
+
+
+def _head_key(fingerprint: dict[str, Any], request: dict[str, Any], torch_version: str, device_type: str) -> str:
+    """:func:`request_key` of a request without tensors, for any torch version and device type."""
+    head = {"v": CACHE_VERSION, "torch": torch_version, "device": device_type, "data": fingerprint, "meta": request}
+    return hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()
+
+
+def import_uploads(src: str | Path, dst: str | Path, device: torch.device) -> list[tuple[str, str]]:
+    """Copy every upload of the cache folder ``src`` into ``dst`` under the key that this torch on
+    ``device`` looks up for the same request; returns (old key, new key) pairs. An entry's JSON must
+    hold its fingerprint and request; where it names the torch and device it was keyed for
+    (``keyed_for``, written since this function exists) the old key is checked against them. A request
+    that carried tensors cannot be re-keyed from its JSON: such entries fail, as do unreadable uploads."""
+    src, dst = Path(src), Path(dst)
+    entries = sorted(src.glob("*/*.json"))
+    if not entries:
+        raise PayloadError(f"{src}: no upload-cache entries (<key[:2]>/<key>.json)")
+    pairs = []
+    for info_path in entries:
+        info = json.loads(info_path.read_text())
+        if "fingerprint" not in info or "request" not in info:
+            raise PayloadError(f"{info_path}: not an upload-cache entry (no fingerprint or request)")
+        if info.get("request_tensors"):
+            raise PayloadError(f"{info_path}: its request carried tensors {info['request_tensors']}; "
+                               "the key cannot be rebuilt from the JSON")
+        made = info.get("keyed_for")
+        if made and _head_key(info["fingerprint"], info["request"], made["torch"], made["device"]) != info_path.stem:
+            raise PayloadError(f"{info_path}: the key does not match its fingerprint and request")
+        blob = info_path.with_suffix(".safetensors")
+        try:
+            upload = Payload.from_bytes(blob.read_bytes())
+        except (OSError, PayloadError) as err:
+            raise PayloadError(f"{blob}: missing or unreadable ({err})") from err
+        key = _head_key(info["fingerprint"], info["request"], torch.__version__, device.type)
+        describe = {k: v for k, v in info.items() if k not in ("key", "meta", "keyed_for")}
+        UploadCache(dst).put(key, upload, {**describe, "keyed_for": {"torch": torch.__version__, "device": device.type},
+                                           "imported_from": {"key": info_path.stem, "keyed_for": made}})
+        pairs.append((info_path.stem, key))
+    return pairs

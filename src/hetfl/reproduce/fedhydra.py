@@ -892,6 +892,8 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
         if "###" in body:  # a budget without cells has no section to hang its figures on
             body += _figure_links([figure_path(path, d, budget) for d in DATASETS], "")
         bodies.append(body)
+    if body := curve_runs_report(archive / CURVE_RUNS, path):
+        bodies.append(body)
     for budget in FP32_BUDGETS:  # the one-cache sections, each with its per-epoch figures
         body = one_cache_report(archive / ONE_CACHE, budget)
         if not body:
@@ -909,6 +911,75 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
             bodies.append(body + "\n\n" + "\n\n".join(f"![{f.stem}]({f.name})" for f in figures))
     bodies.append(common.partial_report(archive, LABELS))
     common.write_results(path, HEADER, bodies, notes)
+
+
+CURVE_RUNS = "paper-server-curves"  # archive subfolder: server stages measured in part (its runs.json lists them)
+COLLAPSED = 10.5  # %: a 10-class student at or below this, once past 30 %, predicts (almost) one class
+
+
+def curve_run_rows(folder: Path) -> list[dict[str, Any]]:
+    """One row per run listed in ``folder/runs.json`` (cell, method, run, file: a method's
+    metrics.jsonl): epochs logged, best % and its epoch, final %, the epochs at or below
+    :data:`COLLAPSED` after the curve first passed 30 % (and the first of them), and the largest
+    student gradient norm of a KD step (``kd_grad_max``, where logged)."""
+    rows = []
+    for run in json.loads((folder / "runs.json").read_text())["runs"]:
+        logged = [json.loads(line) for line in (folder / run["file"]).read_text().splitlines() if line.strip()]
+        curve = [(r["step"], r["accuracy"]) for r in logged  # step -1: the run's closing row, not an epoch
+                 if r.get("accuracy") is not None and r.get("step", -1) >= 0]
+        if not curve:
+            raise ValueError(f"{folder / run['file']}: no evaluated epoch")
+        best_epoch, best = max(curve, key=lambda point: point[1])  # the first epoch at the best
+        passed = next((i for i, (_, acc) in enumerate(curve) if acc >= 30.0), len(curve))
+        collapsed = [step for step, acc in curve[passed:] if acc <= COLLAPSED]
+        grads = [r["kd_grad_max"] for r in logged if "kd_grad_max" in r]
+        rows.append({**run, "epochs": curve[-1][0], "best": best, "best_epoch": best_epoch, "final": curve[-1][1],
+                     "collapsed": len(collapsed), "first_collapse": collapsed[0] if collapsed else None,
+                     "grad_max": max(grads) if grads else None, "curve": curve})
+    return rows
+
+
+def curve_runs_report(folder: Path, path: Path) -> str:
+    """A section for the server curves archived in ``folder`` (:func:`curve_run_rows`), with a figure
+    next to ``path`` (one panel per cell); empty if ``folder`` has no runs.json."""
+    if not (folder / "runs.json").is_file():
+        return ""
+    rows = curve_run_rows(folder)
+    about = json.loads((folder / "runs.json").read_text()).get("about", "")
+    lines = ["## Budget `paper`: server stages measured in part (per-epoch logs)", "", about, "",
+             f"\"collapsed\" = epochs at or below {COLLAPSED} % after the curve first passed 30 % (the student "
+             "then predicts one class), with the first such epoch. Logs in "
+             f"`{folder.parent.name}/{folder.name}/`.", "", "### Per run", "",
+             "| cell | method | run | epochs | best % (epoch) | final % | collapsed (first) | largest KD grad norm |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        first = f" (from {r['first_collapse']})" if r["first_collapse"] is not None else ""
+        grad = f"{r['grad_max']:.1f}" if r["grad_max"] is not None else "-"
+        lines.append(f"| {r['cell']} | {LABELS.get(r['method'], r['method'])} | {r['run']} | {r['epochs']} | "
+                     f"{r['best']:.2f} ({r['best_epoch']}) | {r['final']:.2f} | {r['collapsed']}{first} | {grad} |")
+    figure = plot_curve_runs(rows, path.with_name(f"{path.stem}-{CURVE_RUNS}.png"))
+    return "\n".join(lines) + f"\n\n![{figure.stem}]({figure.name})"
+
+
+def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell, one line per run."""
+    import matplotlib.pyplot as plt
+
+    cells = sorted({r["cell"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4), squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        for r in (r for r in rows if r["cell"] == cell):
+            steps, accs = zip(*r["curve"])
+            ax.plot(steps, accs, lw=1, label=f"{LABELS.get(r['method'], r['method'])}, {r['run']}")
+        ax.set_title(f"{cell}, budget paper", fontsize=9)
+        ax.set_xlabel("server epoch")
+        ax.set_ylabel("test accuracy %")
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _figure_links(paths: list[Path], where: str) -> str:
