@@ -479,3 +479,11 @@ def test_kd_step_reports_its_peak_gradient_norm_and_grad_clip_bounds_the_step(tm
     assert steps[0.0][1] == pytest.approx(steps[1e-3][1], rel=1e-5)  # same start, same batch, same norm
     assert steps[0.0][0] == pytest.approx(0.5 * steps[0.0][1], rel=1e-4)  # plain SGD: lr x |g|
     assert steps[1e-3][0] == pytest.approx(0.5 * 1e-3, rel=1e-3)  # clipped to lr x grad_clip
+
+
+def test_config_key_leaves_later_keys_out_at_their_default():
+    from hetfl.fl.datafree import DataFreeConfig, config_key
+
+    assert "grad_clip" not in json.loads(config_key(DataFreeConfig()))  # keys of older checkpoints unchanged
+    assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
+    assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")

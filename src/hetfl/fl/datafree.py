@@ -403,5 +403,10 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return (x.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()  # one pool layout whatever G's
 
 
+LATER_KEYS = {"grad_clip": 0.0}  # keys added after checkpoints were written: left out of the key at their default
+
+
 def config_key(cfg: DataFreeConfig, **extra: Any) -> str:
-    return json.dumps({**asdict(cfg), **extra}, sort_keys=True, default=str)
+    """What a checkpoint must match to be resumed: every setting of the loop and ``extra``."""
+    keys = {k: v for k, v in asdict(cfg).items() if LATER_KEYS.get(k, object()) != v}
+    return json.dumps({**keys, **extra}, sort_keys=True, default=str)
