@@ -946,7 +946,7 @@ def curve_runs_report(folder: Path, path: Path) -> str:
         return ""
     rows = curve_run_rows(folder)
     about = json.loads((folder / "runs.json").read_text()).get("about", "")
-    lines = ["## Budget `paper`: server stages measured in part (per-epoch logs)", "", about, "",
+    lines = ["## Budget `paper` clients: server stages measured in part (per-epoch logs)", "", about, "",
              f"\"collapsed\" = epochs at or below {COLLAPSED} % after the curve first passed 30 % (the student "
              "then predicts one class), with the first such epoch. Logs in "
              f"`{folder.parent.name}/{folder.name}/`.", "", "### Per run", "",
@@ -965,13 +965,13 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell, one line per run."""
     import matplotlib.pyplot as plt
 
-    cells = sorted({r["cell"] for r in rows}, reverse=True)
+    cells = list(dict.fromkeys(r["cell"] for r in rows))  # in the order runs.json lists them
     fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         for r in (r for r in rows if r["cell"] == cell):
             steps, accs = zip(*r["curve"])
             ax.plot(steps, accs, lw=1, label=f"{LABELS.get(r['method'], r['method'])}, {r['run']}")
-        ax.set_title(f"{cell}, budget paper", fontsize=9)
+        ax.set_title(f"{cell} (clients of budget paper)", fontsize=9)
         ax.set_xlabel("server epoch")
         ax.set_ylabel("test accuracy %")
         ax.legend(fontsize=6)
