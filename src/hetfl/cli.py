@@ -146,7 +146,11 @@ def cmd_cache_import(args: argparse.Namespace) -> int:
 
     from hetfl.fl.cache import import_uploads
 
-    pairs = import_uploads(args.src, args.cache_dir, torch.device(args.device))
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise ConfigError(f"--device: {err}") from err
+    pairs = import_uploads(args.src, args.cache_dir, device)
     for old, new in pairs:
         print(f"{old[:16]} -> {new[:16]}")
     print(f"imported {len(pairs)} uploads into {args.cache_dir} (keyed for {args.device})")

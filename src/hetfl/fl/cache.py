@@ -34,11 +34,15 @@ from hetfl.fl.payload import Payload, PayloadError
 CACHE_VERSION = 1
 
 
+def _head(fingerprint: dict[str, Any], meta: dict[str, Any], torch_version: str, device_type: str) -> bytes:
+    """What a key hashes before the request's tensors."""
+    head = {"v": CACHE_VERSION, "torch": torch_version, "device": device_type, "data": fingerprint, "meta": meta}
+    return json.dumps(head, sort_keys=True).encode()
+
+
 def request_key(fingerprint: dict[str, Any], message: Payload, device: torch.device) -> str:
     digest = hashlib.sha256()
-    head = {"v": CACHE_VERSION, "torch": torch.__version__, "device": device.type,
-            "data": fingerprint, "meta": message.meta}
-    digest.update(json.dumps(head, sort_keys=True).encode())
+    digest.update(_head(fingerprint, message.meta, torch.__version__, device.type))
     for name in sorted(message.tensors):
         digest.update(name.encode())
         digest.update(message.tensors[name].detach().cpu().contiguous().numpy().tobytes())
@@ -95,8 +99,7 @@ class UploadCache:
 
 def _head_key(fingerprint: dict[str, Any], request: dict[str, Any], torch_version: str, device_type: str) -> str:
     """:func:`request_key` of a request without tensors, for any torch version and device type."""
-    head = {"v": CACHE_VERSION, "torch": torch_version, "device": device_type, "data": fingerprint, "meta": request}
-    return hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(_head(fingerprint, request, torch_version, device_type)).hexdigest()
 
 
 def import_uploads(src: str | Path, dst: str | Path, device: torch.device) -> list[tuple[str, str]]:
