@@ -9,7 +9,11 @@ loss, the student loss, which batches to keep and whether the generator is reset
 Shared pieces: :class:`BNStatsLoss` (DeepInversion hooks on the teachers' BatchNorm layers),
 :func:`kl_div`, a bounded in-memory replay pool (uint8 images + teacher logits, never on disk),
 evaluation and metric logging through the :class:`~hetfl.fl.method.ServerContext`, and a
-checkpoint after every ``checkpoint_every`` epochs so an interrupted server stage resumes.
+checkpoint after every ``checkpoint_every`` epochs so an interrupted server stage resumes. Each
+epoch logs the mean KD loss and ``kd_grad_max``, the largest gradient norm of the student's KD steps
+(before the optional ``grad_clip``, which is in none of the papers): a student that collapses to one
+class shows as a drop of that norm to the last layer's ~1.6 (measured at FedHydra's paper budget,
+docs/results/fedhydra-notes.md).
 
 Speed: with ``channels_last`` (default) the generator, teachers and student run in NHWC, where
 oneDNN's convolutions are faster on CPUs (measured 1.26x per generator step at batch 256 on an
