@@ -116,10 +116,16 @@ def plot_scatter_fits(points: dict[str, list[tuple[float, float]]], path: Path, 
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Tight layout, write ``path``, free the figure; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def plot_curves(metrics_file: Path, path: Path) -> bool:

@@ -965,6 +965,8 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell, one line per run."""
     import matplotlib.pyplot as plt
 
+    from hetfl.report import save_figure
+
     cells = list(dict.fromkeys(r["cell"] for r in rows))  # in the order runs.json lists them
     fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4), squeeze=False)
     for ax, cell in zip(axes[0], cells):
@@ -976,10 +978,7 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.set_ylabel("test accuracy %")
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def _figure_links(paths: list[Path], where: str) -> str:
