@@ -993,14 +993,12 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         for i, a in enumerate(accs, 1)) + "\n" + json.dumps({"method": "dense", "step": -1, "accuracy": 9.9}) + "\n")
     (folder / "runs.json").write_text(json.dumps({"about": "test", "runs": [
         {"cell": "fmnist-0.5-s0", "method": "dense", "run": "call 1", "file": "a.jsonl"}]}))
-    (row,) = curve_run_rows(folder)
+    (row,) = curve_run_rows(folder, json.loads((folder / "runs.json").read_text())["runs"])
     assert (row["epochs"], row["best"], row["best_epoch"], row["final"]) == (8, 70.0, 3, 9.9)
     assert (row["collapsed"], row["first_collapse"], row["grad_max"]) == (3, 4, 8.0)
     body = curve_runs_report(folder, tmp_path / "r.md")
     assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 3 (from 4) | 8.0 |" in body
     assert (tmp_path / "r-paper-server-curves.png").is_file()
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
-    (folder / "runs.json").write_text(json.dumps({"runs": [{"cell": "c", "method": "dense", "run": "r",
-                                                            "file": "b.jsonl"}]}))
-    with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch"):
-        curve_run_rows(folder)
+    with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):
+        curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])

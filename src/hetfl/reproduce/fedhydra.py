@@ -917,18 +917,19 @@ CURVE_RUNS = "paper-server-curves"  # archive subfolder: server stages measured 
 COLLAPSED = 10.5  # %: a 10-class student at or below this, once past 30 %, predicts (almost) one class
 
 
-def curve_run_rows(folder: Path) -> list[dict[str, Any]]:
-    """One row per run listed in ``folder/runs.json`` (cell, method, run, file: a method's
-    metrics.jsonl): epochs logged, best % and its epoch, final %, the epochs at or below
+def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per entry of ``runs`` (cell, method, run, file: that method's metrics.jsonl in
+    ``folder``): epochs logged, best % and its epoch, final %, the epochs at or below
     :data:`COLLAPSED` after the curve first passed 30 % (and the first of them), and the largest
     student gradient norm of a KD step (``kd_grad_max``, where logged)."""
     rows = []
-    for run in json.loads((folder / "runs.json").read_text())["runs"]:
-        logged = [json.loads(line) for line in (folder / run["file"]).read_text().splitlines() if line.strip()]
-        curve = [(r["step"], r["accuracy"]) for r in logged  # step -1: the run's closing row, not an epoch
-                 if r.get("accuracy") is not None and r.get("step", -1) >= 0]
+    for run in runs:
+        metrics = folder / run["file"]
+        logged_curve = common.logged_curves(metrics, (run["method"],)).get(run["method"], [])  # a resumed epoch once
+        curve = [(int(step), acc) for step, acc in logged_curve]
         if not curve:
-            raise ValueError(f"{folder / run['file']}: no evaluated epoch")
+            raise ValueError(f"{metrics}: no evaluated epoch of {run['method']}")
+        logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         best_epoch, best = max(curve, key=lambda point: point[1])  # the first epoch at the best
         passed = next((i for i, (_, acc) in enumerate(curve) if acc >= 30.0), len(curve))
         collapsed = [step for step, acc in curve[passed:] if acc <= COLLAPSED]
@@ -944,8 +945,9 @@ def curve_runs_report(folder: Path, path: Path) -> str:
     next to ``path`` (one panel per cell); empty if ``folder`` has no runs.json."""
     if not (folder / "runs.json").is_file():
         return ""
-    rows = curve_run_rows(folder)
-    about = json.loads((folder / "runs.json").read_text()).get("about", "")
+    manifest = json.loads((folder / "runs.json").read_text())
+    rows = curve_run_rows(folder, manifest["runs"])
+    about = manifest.get("about", "")
     lines = ["## Budget `paper` clients: server stages measured in part (per-epoch logs)", "", about, "",
              f"\"collapsed\" = epochs at or below {COLLAPSED} % after the curve first passed 30 % (the student "
              "then predicts one class), with the first such epoch. Logs in "
