@@ -25,14 +25,16 @@
 # clients once, then one worker per method on the cached uploads; a cell's setting may then be a
 # comma list, e.g. fmnist:0.5,0.3:0, one process for both), TESTS (1: also run the GPU tolerance test
 # beside the cells), PACK_CACHE (1: also pack the upload caches, to run more methods on the same
-# uploads elsewhere; small models only), OUT (default ./device-out), PY (default python3).
+# uploads elsewhere; small models only), OUT (default ./device-out), PY (default python3), WORK (the
+# working folder, default device-work: two invocations side by side, e.g. with different METHODS,
+# need different ones).
 set -u
 T0=$(date +%s)
 CELLS=${CELLS:?"CELLS='dataset:setting:seed ...' is required"}
 PAPER=${PAPER:-fedmho}; BUDGET=${BUDGET:-vgg9-e10}; DL=${DL:-540}; DEV=${DEV:-cuda}
 OUT=${OUT:-$PWD/device-out}; PY=${PY:-python3}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2} MPLBACKEND=Agg
-work=device-work
+work=${WORK:-device-work}
 mkdir -p "$work/logs" "$OUT"
 { command -v nvidia-smi >/dev/null && nvidia-smi; $PY -c "import sys, torch; print(sys.version); print(torch.__version__, torch.cuda.is_available())"; nproc; } \
   > "$work/logs/env.txt" 2>&1

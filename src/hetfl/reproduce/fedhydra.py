@@ -948,7 +948,7 @@ def curve_runs_report(folder: Path, path: Path) -> str:
     manifest = json.loads((folder / "runs.json").read_text())
     rows = curve_run_rows(folder, manifest["runs"])
     about = manifest.get("about", "")
-    lines = ["## Budget `paper` clients: server stages measured in part (per-epoch logs)", "", about, "",
+    lines = ["## Budget `paper` clients: server stages, per-epoch logs (stopped runs, trials, probes)", "", about, "",
              f"\"collapsed\" = epochs at or below {COLLAPSED} % after the curve first passed 30 % (the student "
              "then predicts one class), with the first such epoch. Logs in "
              f"`{folder.parent.name}/{folder.name}/`.", "", "### Per run", "",
@@ -964,14 +964,18 @@ def curve_runs_report(folder: Path, path: Path) -> str:
 
 
 def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
-    """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell, one line per run."""
+    """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell (two per row), one line per run."""
     import matplotlib.pyplot as plt
 
     from hetfl.report import save_figure
 
     cells = list(dict.fromkeys(r["cell"] for r in rows))  # in the order runs.json lists them
-    fig, axes = plt.subplots(1, len(cells), figsize=(6 * len(cells), 4), squeeze=False)
-    for ax, cell in zip(axes[0], cells):
+    ncols = min(2, len(cells))
+    nrows = -(-len(cells) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    for ax, cell in zip(axes.flat, cells):
         for r in (r for r in rows if r["cell"] == cell):
             steps, accs = zip(*r["curve"])
             ax.plot(steps, accs, lw=1, label=f"{LABELS.get(r['method'], r['method'])}, {r['run']}")
