@@ -1,4 +1,4 @@
-"""scripts/device-cells.sh: the device script's contract, without a device (no cell gets to run)."""
+"""The device scripts (scripts/device-cells.sh, scripts/device-trials.sh): their contracts, without a device."""
 
 import os
 import subprocess
@@ -39,3 +39,44 @@ def test_device_script_passes_jobs_and_packs_the_cache_on_request(tmp_path):
     assert "reproduce fedhydra" in log and "--settings 0.5,0.3 --seeds 0" in log and "--jobs 8" in log
     with tarfile.open(tmp_path / "out" / "cells.tgz") as tar:
         assert "device-work/cache/1/ab/ab12.safetensors" in tar.getnames()
+
+
+TRIALS = SCRIPT.with_name("device-trials.sh")
+
+
+def test_trials_script_parses_and_requires_its_variables(tmp_path):
+    assert subprocess.run(["bash", "-n", str(TRIALS)]).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("TRIALS", "CONFIG", "METHOD")}
+    done = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "TRIALS='name:KEY=VALUE,KEY=VALUE ...' is required" in done.stderr
+    done = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "TRIALS": "a:", "CONFIG": "c.yaml"})
+    assert done.returncode != 0 and "METHOD (the config's method the trials run) is required" in done.stderr
+
+
+def test_trials_script_passes_each_trials_overrides_and_packs_the_method_logs(tmp_path):
+    logged = tmp_path / "device-work" / "trials" / "runs" / "a" / "dense" / "metrics.jsonl"
+    logged.parent.mkdir(parents=True)
+    logged.write_text('{"method": "dense", "step": 1, "accuracy": 50.0}\n')
+    env = {**os.environ, "TRIALS": "a:partition.alpha=0.3,methods.dense.lr=0.005 b: c", "CONFIG": "x.yaml",
+           "METHOD": "dense", "CACHE": "cache/gpu", "DL": "60", "DEV": "cpu", "PY": "echo",
+           "OUT": str(tmp_path / "out")}  # echo: the command line, no run
+    done = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    logs = tmp_path / "device-work" / "trials" / "logs"
+    a, b, c = ((logs / f"{n}.log").read_text() for n in "abc")
+    assert "run x.yaml --device cpu --cache-dir cache/gpu --methods dense" in a
+    assert "--set partition.alpha=0.3 --set methods.dense.lr=0.005 --out device-work/trials/runs/a" in a
+    assert "trial b (as configured)" in b and "--set" not in b and "--set" not in c
+    with tarfile.open(tmp_path / "out" / "trials.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"device-work/trials/out/a.jsonl", "device-work/trials/logs/b.log"} <= names
+    assert "device-work/trials/out/b.jsonl" not in names  # b logged nothing
+
+
+def test_trials_script_skips_trials_past_the_deadline(tmp_path):
+    env = {**os.environ, "TRIALS": "a: b:", "CONFIG": "x.yaml", "METHOD": "dense", "DL": "5", "DEV": "cpu",
+           "PY": "echo", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "skip a: deadline" in done.stdout and "skip b: deadline" in done.stdout

@@ -1,0 +1,65 @@
+#!/bin/bash
+# Several `hetfl run` trials of one config side by side on one lent accelerator, each with its own
+# `--set` overrides, all on one (carried) upload cache, under a deadline; for the device tool's `run`
+# (which copies the working tree, runs one command and brings back a few files from $OUT).
+#
+#   CONFIG=configs/fedhydra-fmnist-paper.yaml METHOD=fedhydra_dense_log1p CACHE=cache/gpu-paper \
+#     TRIALS="g30a: g30b: g10a:methods.fedhydra_dense_log1p.generator_steps=10 a03:partition.alpha=0.3" \
+#     DL=300 bash scripts/device-trials.sh
+#
+# A trial is name:overrides, the overrides comma-separated KEY=VALUE pairs, each passed as
+# `--set KEY=VALUE` (empty: the config as it is). Carry the cache (`carry: ["data", "cache/gpu-paper"]`):
+# a trial whose client requests hit it trains no client, so every trial distils from the same
+# uploads (`uploads_sha256` in each summary); with a cold cache every trial trains the clients itself,
+# side by side and not shared, so run one trial first to fill it. Trials still running at the deadline are stopped; their
+# per-epoch log is kept, since the simulator appends to it every evaluation. At the end each trial's
+# METHOD log (metrics.jsonl) and summary.json (when it finished) go to $OUT/trials.tgz as
+# <name>.jsonl and <name>.summary.json, with every trial's console log. To read them here:
+#
+#   mkdir -p /tmp/t && tar xzf trials.tgz -C /tmp/t && ls /tmp/t/device-work/trials/out
+#
+# Environment: TRIALS, CONFIG, METHOD (required), CACHE (default cache), DL (seconds from start when
+# running trials are stopped; default 300), DEV (default cuda), THREADS (torch CPU threads per
+# process; default 2), OUT (default ./device-out), PY (default python3), WORK (default
+# device-work/trials).
+set -u
+T0=$(date +%s)
+TRIALS=${TRIALS:?"TRIALS='name:KEY=VALUE,KEY=VALUE ...' is required"}
+CONFIG=${CONFIG:?"CONFIG (the config file every trial runs) is required"}
+METHOD=${METHOD:?"METHOD (the config's method the trials run) is required"}
+CACHE=${CACHE:-cache}; DL=${DL:-300}; DEV=${DEV:-cuda}; OUT=${OUT:-$PWD/device-out}; PY=${PY:-python3}
+work=${WORK:-device-work/trials}
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2} MPLBACKEND=Agg
+mkdir -p "$work/logs" "$work/out" "$OUT"
+
+trial() { # name overrides
+  local log=$work/logs/$1.log l sets=()
+  local IFS=,
+  for kv in $2; do sets+=(--set "$kv"); done
+  unset IFS
+  l=$(( DL - ($(date +%s) - T0) ))
+  if [ "$l" -le 10 ]; then echo "skip $1: deadline" >> "$log"; return 0; fi
+  echo "trial $1 (${2:-as configured}) start at $(( $(date +%s) - T0 ))s" >> "$log"
+  timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" run "$CONFIG" \
+    --device "$DEV" --cache-dir "$CACHE" --methods "$METHOD" "${sets[@]}" --out "$work/runs/$1" --quiet \
+    >> "$log" 2>&1
+  echo "trial $1 rc=$? at $(( $(date +%s) - T0 ))s" >> "$log"
+}
+
+pids=()
+for spec in $TRIALS; do
+  name=${spec%%:*}
+  overrides=${spec#*:}
+  [ "$overrides" = "$spec" ] && overrides=""
+  trial "$name" "$overrides" & pids+=($!)
+done
+wait "${pids[@]}"
+for spec in $TRIALS; do
+  name=${spec%%:*}
+  f=$(find "$work/runs/$name" -path "*/$METHOD/metrics.jsonl" 2>/dev/null | head -1)
+  [ -n "$f" ] && cp "$f" "$work/out/$name.jsonl"
+  s=$(find "$work/runs/$name" -name summary.json 2>/dev/null | head -1)
+  [ -n "$s" ] && cp "$s" "$work/out/$name.summary.json"
+done
+tar czf "$OUT/trials.tgz" "$work/logs" "$work/out"
+grep -h "rc=\|skip" "$work"/logs/*.log
