@@ -222,6 +222,20 @@ def test_results_table_columns_line_up_whatever_the_method_names():
     assert [x[:acc_end].rstrip().endswith("46.37") for x in lines[2:4]] == [True, True]
     assert len({len(x) for x in lines[:4]}) == 1  # header, rule and rows of one width
     assert lines[4].startswith("  student") and lines[4][:acc_end].endswith("12.50")
+    assert len(lines) == 5  # no note: no method ended at chance
+
+
+def test_results_table_notes_a_model_that_collapsed_to_chance():
+    from hetfl.report import collapse_notes, results_table
+
+    row = {"seconds": 1.0, "bytes_up": 1, "bytes_down": 1, "per_class": [50.0] * 10}
+    results = {"dense": {**row, "accuracy": 10.0, "best_accuracy": 77.08},  # collapsed
+               "fedavg": {**row, "accuracy": 10.4, "best_accuracy": 12.0},  # never learned: no note
+               "ensemble": {**row, "accuracy": 65.0, "best_accuracy": 65.0},
+               "central": {"seconds": 1.0, "bytes_up": 1, "bytes_down": 1, "accuracy": 10.0, "best_accuracy": 90.0}}
+    (note,) = collapse_notes(results)  # central: no per-class accuracies, classes unknown
+    assert note.startswith("note: dense ended at 10.00 %, chance for 10 classes, after a best of 77.08 %")
+    assert results_table(results).splitlines()[-1] == note
 
 
 def test_imported_uploads_from_another_device_are_used_byte_for_byte(tmp_path, tiny_config):

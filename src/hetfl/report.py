@@ -39,7 +39,25 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
         for sub, acc in (r.get("models") or {}).items():
             if sub != name:
                 lines.append(f"  {sub:<{w - 2}} {acc:>7.2f}")
-    return "\n".join(lines)
+    return "\n".join(lines + collapse_notes(results))
+
+
+def collapse_notes(results: dict[str, dict[str, Any]]) -> list[str]:
+    """A line for each method whose final model is at chance level (within 0.5 points of 100 / classes,
+    the classes counted from its ``per_class`` accuracies) after its best evaluation reached three times
+    that: the model collapsed to (about) one class during training (e.g. a data-free student late in a
+    long server stage), so its final and best accuracy mean different things."""
+    notes = []
+    for name, r in results.items():
+        classes = len(r.get("per_class") or [])
+        if classes < 2:
+            continue
+        chance = 100.0 / classes
+        if r["accuracy"] <= chance + 0.5 and r["best_accuracy"] >= 3 * chance:
+            notes.append(f"note: {name} ended at {r['accuracy']:.2f} %, chance for {classes} classes, "
+                         f"after a best of {r['best_accuracy']:.2f} %: it collapsed to about one class "
+                         f"(its curve: {name}/metrics.jsonl)")
+    return notes
 
 
 def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
