@@ -8,13 +8,14 @@
 #     DL=300 bash scripts/device-trials.sh
 #
 # A trial is name:overrides, the overrides comma-separated KEY=VALUE pairs, each passed as
-# `--set KEY=VALUE` (empty: the config as it is). Carry the cache (`carry: ["data", "cache/gpu-paper"]`):
-# a trial whose client requests hit it trains no client, so every trial distils from the same
-# uploads (`uploads_sha256` in each summary); with a cold cache every trial trains the clients itself,
-# side by side and not shared, so run one trial first to fill it. Trials still running at the deadline are stopped; their
-# per-epoch log is kept, since the simulator appends to it every evaluation. At the end each trial's
-# METHOD log (metrics.jsonl) and summary.json (when it finished) go to $OUT/trials.tgz as
-# <name>.jsonl and <name>.summary.json, with every trial's console log. To read them here:
+# `--set KEY=VALUE` (empty: the config as it is). Carry the cache (`carry: ["data",
+# "cache/gpu-paper"]`): a trial whose client requests hit it trains no client, so every trial distils
+# from the same uploads (`uploads_sha256` in each summary); with a cold cache every trial trains the
+# clients itself, side by side and not shared, so run one trial first to fill it. Trials still
+# running at the deadline are stopped; their per-epoch log is kept, since the simulator appends to it
+# at every evaluation. At the end each trial's METHOD log (metrics.jsonl) and summary.json (when it
+# finished) go to $OUT/trials.tgz as <name>.jsonl and <name>.summary.json, with every trial's
+# console log. To read them here:
 #
 #   mkdir -p /tmp/t && tar xzf trials.tgz -C /tmp/t && ls /tmp/t/device-work/trials/out
 #
