@@ -19,6 +19,13 @@
 #
 #   mkdir -p /tmp/t && tar xzf trials.tgz -C /tmp/t && ls /tmp/t/device-work/trials/out
 #
+# A trial run as configured (no overrides of the method) on an archived cell's uploads can join that
+# cell (checked: same setting, same uploads_sha256, same method config; say where it ran in the note):
+#
+#   .venv/bin/python -c "import json; from pathlib import Path; from hetfl.reproduce.common import merge_methods
+#   print(merge_methods(Path('docs/results/fedhydra-runs/<cell>.json'),
+#         json.load(open('/tmp/t/device-work/trials/out/<name>.summary.json')), ['<method>']))"
+#
 # Environment: TRIALS, CONFIG, METHOD (required), CACHE (default cache), DL (seconds from start when
 # running trials are stopped; default 300), DEV (default cuda), THREADS (torch CPU threads per
 # process; default 2), OUT (default ./device-out), PY (default python3), WORK (default

@@ -1002,3 +1002,30 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])
+
+
+def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_path):
+    from hetfl.reproduce.common import merge_methods
+
+    cfg = {"dataset": "fmnist", "seed": 0, "clients": 5, "partition": {"kind": "dirichlet", "alpha": 0.5},
+           "client": {"model": "cnn2"}, "server": {"model": "cnn2"}, "methods": {"fedavg": {}, "ot": {}}}
+    result = {"accuracy": 57.5, "best_accuracy": 57.5, "uploads_sha256": "ab"}
+    cell = {"config": cfg, "results": {"fedavg": result, "ot": {**result, "accuracy": 61.5}}, "note": "GPU"}
+    archived = tmp_path / "cell.json"
+    archived.write_text(json.dumps(cell))
+    run = {"config": {**cfg, "methods": {"dense": {"epochs": 200}, "ot": {"x": 1}}},
+           "results": {"dense": {**result, "accuracy": 63.3}, "ot": {**result, "accuracy": 1.0}}}
+    assert merge_methods(archived, run, ["dense"]) == ["dense"]
+    merged = json.loads(archived.read_text())
+    assert merged["results"]["dense"]["accuracy"] == 63.3 and merged["results"]["ot"]["accuracy"] == 61.5
+    assert merged["config"]["methods"]["dense"] == {"epochs": 200} and merged["note"] == "GPU"
+    with pytest.raises(ValueError, match="ot ran with {'x': 1}, the archived cell with {}"):
+        merge_methods(archived, run, ["ot"])  # another config of a method the cell has
+    other = {**run, "results": {"dense": {**result, "uploads_sha256": "cd"}}}
+    with pytest.raises(ValueError, match="did not run on the archived cell's uploads"):
+        merge_methods(archived, other, ["dense"])
+    with pytest.raises(ValueError, match="did not run on the archived cell's uploads"):
+        merge_methods(archived, {**run, "config": {**run["config"], "seed": 1}}, ["dense"])
+    with pytest.raises(ValueError, match=r"\['feddf'\] not in the summary's results"):
+        merge_methods(archived, run, ["feddf"])
+    assert json.loads(archived.read_text()) == merged  # a refused merge writes nothing

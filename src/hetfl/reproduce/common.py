@@ -146,6 +146,36 @@ def archive_and_say(root: Path, name: str, results: Path, curve_methods: tuple[s
     return saved
 
 
+def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterable[str],
+                  metrics: Path | None = None) -> list[str]:
+    """Add ``methods``' results from ``summary`` (a run elsewhere, e.g. on a lent GPU with the cell's
+    upload cache carried, or on a CPU with it imported) to the archived cell ``archived_file``, with
+    their configs and, from ``metrics`` (that run's metrics.jsonl), their per-epoch curves when the
+    archived cell keeps curves. Only on the same uploads (:func:`same_uploads`: same setting and one
+    ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method;
+    ValueError otherwise, naming the mismatch. The archived cell's environment stays its own: each
+    merged result carries its own seconds, and a hand-written ``note`` should say where it ran."""
+    archived = json.loads(archived_file.read_text())
+    methods = list(methods)
+    missing = [m for m in methods if m not in summary["results"]]
+    if missing:
+        raise ValueError(f"{missing} not in the summary's results {sorted(summary['results'])}")
+    if not same_uploads(archived, {**summary, "results": {m: summary["results"][m] for m in methods}}):
+        raise ValueError(f"{archived_file.name}: the summary did not run on the archived cell's uploads "
+                         "(setting or uploads_sha256 differ)")
+    for m in methods:
+        theirs, ours = summary["config"]["methods"].get(m), archived["config"]["methods"].get(m)
+        if ours is not None and theirs != ours:
+            raise ValueError(f"{archived_file.name}: {m} ran with {theirs}, the archived cell with {ours}")
+    for m in methods:
+        archived["results"][m] = summary["results"][m]
+        archived["config"]["methods"][m] = summary["config"]["methods"].get(m, {})
+    if metrics is not None and "curves" in archived:
+        archived["curves"].update(logged_curves(metrics, tuple(methods)))
+    write_json_atomic(archived_file, archived)
+    return methods
+
+
 def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     """``(runs folder, summary, archived cell or None)`` for every summary kept apart under
     ``archive/partial/<runs folder>/`` (:func:`archive_cell`), sorted by folder and cell name."""
