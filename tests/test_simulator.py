@@ -226,7 +226,9 @@ def test_results_table_columns_line_up_whatever_the_method_names():
 
 
 def test_results_table_notes_a_model_that_collapsed_to_chance():
-    from hetfl.report import collapse_notes, results_table
+    from hetfl.report import collapse_bounds, collapse_notes, results_table
+
+    assert collapse_bounds(10) == (10.5, 30.0) and collapse_bounds(100) == (1.5, 3.0)
 
     row = {"seconds": 1.0, "bytes_up": 1, "bytes_down": 1, "per_class": [50.0] * 10}
     results = {"dense": {**row, "accuracy": 10.0, "best_accuracy": 77.08},  # collapsed

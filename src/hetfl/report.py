@@ -42,18 +42,27 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines + collapse_notes(results))
 
 
+def collapse_bounds(classes: int) -> tuple[float, float]:
+    """``(at_chance, learned)`` in %: a model at or below ``at_chance`` (100 / classes + 0.5) predicts
+    (about) one class on a balanced test set; one at or above ``learned`` (3 x chance) had learned. A
+    model at chance after it had learned has collapsed (the one rule of :func:`collapse_notes` and of
+    the FedHydra report's per-epoch curves)."""
+    chance = 100.0 / classes
+    return chance + 0.5, 3 * chance
+
+
 def collapse_notes(results: dict[str, dict[str, Any]]) -> list[str]:
-    """A line for each method whose final model is at chance level (within 0.5 points of 100 / classes,
-    the classes counted from its ``per_class`` accuracies) after its best evaluation reached three times
-    that: the model collapsed to (about) one class during training (e.g. a data-free student late in a
-    long server stage), so its final and best accuracy mean different things."""
+    """A line for each method whose final model is at chance level after its best evaluation had
+    learned (:func:`collapse_bounds`, the classes counted from its ``per_class`` accuracies): the model
+    collapsed to (about) one class during training (e.g. a data-free student late in a long server
+    stage), so its final and best accuracy mean different things."""
     notes = []
     for name, r in results.items():
         classes = len(r.get("per_class") or [])
         if classes < 2:
             continue
-        chance = 100.0 / classes
-        if r["accuracy"] <= chance + 0.5 and r["best_accuracy"] >= 3 * chance:
+        at_chance, learned = collapse_bounds(classes)
+        if r["accuracy"] <= at_chance and r["best_accuracy"] >= learned:
             notes.append(f"note: {name} ended at {r['accuracy']:.2f} %, chance for {classes} classes, "
                          f"after a best of {r['best_accuracy']:.2f} %: it collapsed to about one class "
                          f"(its curve: {name}/metrics.jsonl)")

@@ -914,14 +914,18 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
 
 
 CURVE_RUNS = "paper-server-curves"  # archive subfolder: server stages measured in part (its runs.json lists them)
-COLLAPSED = 10.5  # %: a 10-class student at or below this, once past 30 %, predicts (almost) one class
+CURVE_CLASSES = 10  # the curves are MNIST/Fashion-MNIST students: hetfl.report.collapse_bounds of 10 classes
 
 
 def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per entry of ``runs`` (cell, method, run, file: that method's metrics.jsonl in
-    ``folder``): epochs logged, best % and its epoch, final %, the epochs at or below
-    :data:`COLLAPSED` after the curve first passed 30 % (and the first of them), and the largest
-    student gradient norm of a KD step (``kd_grad_max``, where logged)."""
+    ``folder``): epochs logged, best % and its epoch, final %, the epochs at chance after the curve
+    had first learned (:func:`hetfl.report.collapse_bounds` of :data:`CURVE_CLASSES`: at or below
+    10.5 % after passing 30 %) and the first of them, and the largest student gradient norm of a KD
+    step (``kd_grad_max``, where logged)."""
+    from hetfl.report import collapse_bounds
+
+    at_chance, learned = collapse_bounds(CURVE_CLASSES)
     rows = []
     for run in runs:
         metrics = folder / run["file"]
@@ -931,8 +935,8 @@ def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, A
             raise ValueError(f"{metrics}: no evaluated epoch of {run['method']}")
         logged = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         best_epoch, best = max(curve, key=lambda point: point[1])  # the first epoch at the best
-        passed = next((i for i, (_, acc) in enumerate(curve) if acc >= 30.0), len(curve))
-        collapsed = [step for step, acc in curve[passed:] if acc <= COLLAPSED]
+        passed = next((i for i, (_, acc) in enumerate(curve) if acc >= learned), len(curve))
+        collapsed = [step for step, acc in curve[passed:] if acc <= at_chance]
         grads = [r["kd_grad_max"] for r in logged if "kd_grad_max" in r]
         rows.append({**run, "epochs": curve[-1][0], "best": best, "best_epoch": best_epoch, "final": curve[-1][1],
                      "collapsed": len(collapsed), "first_collapse": collapsed[0] if collapsed else None,
@@ -945,12 +949,15 @@ def curve_runs_report(folder: Path, path: Path) -> str:
     next to ``path`` (one panel per cell); empty if ``folder`` has no runs.json."""
     if not (folder / "runs.json").is_file():
         return ""
+    from hetfl.report import collapse_bounds
+
+    at_chance, learned = collapse_bounds(CURVE_CLASSES)
     manifest = json.loads((folder / "runs.json").read_text())
     rows = curve_run_rows(folder, manifest["runs"])
     about = manifest.get("about", "")
     lines = ["## Budget `paper` clients: server stages, per-epoch logs (stopped runs, trials, probes)", "", about, "",
-             f"\"collapsed\" = epochs at or below {COLLAPSED} % after the curve first passed 30 % (the student "
-             "then predicts one class), with the first such epoch. Logs in "
+             f"\"collapsed\" = epochs at or below {at_chance} % after the curve first passed {learned:.0f} % "
+             "(the student then predicts one class), with the first such epoch. Logs in "
              f"`{folder.parent.name}/{folder.name}/`.", "", "### Per run", "",
              "| cell | method | run | epochs | best % (epoch) | final % | collapsed (first) | largest KD grad norm |",
              "|---|---|---|---|---|---|---|---|"]
