@@ -1029,3 +1029,9 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
     with pytest.raises(ValueError, match=r"\['feddf'\] not in the summary's results"):
         merge_methods(archived, run, ["feddf"])
     assert json.loads(archived.read_text()) == merged  # a refused merge writes nothing
+    archived.write_text(json.dumps({**merged, "curves": {"ot": [[1, 61.5]]}}))  # a cell that keeps curves
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"method": "dense", "step": i, "accuracy": a})
+                                 for i, a in ((1, 40.0), (2, 63.3))) + "\n")
+    merge_methods(archived, run, ["dense"], metrics)
+    assert json.loads(archived.read_text())["curves"] == {"ot": [[1, 61.5]], "dense": [[1, 40.0], [2, 63.3]]}
