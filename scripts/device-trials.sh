@@ -13,9 +13,9 @@
 # from the same uploads (`uploads_sha256` in each summary); with a cold cache every trial trains the
 # clients itself, side by side and not shared, so run one trial first to fill it. Trials still
 # running at the deadline are stopped; their per-epoch log is kept, since the simulator appends to it
-# at every evaluation. At the end each trial's METHOD log (metrics.jsonl) and summary.json (when it
-# finished) go to $OUT/trials.tgz as <name>.jsonl and <name>.summary.json, with every trial's
-# console log. To read them here:
+# at every evaluation. At the end each trial's METHOD log (metrics.jsonl), summary.json and final
+# global model (when it finished) go to $OUT/trials.tgz as <name>.jsonl, <name>.summary.json and
+# <name>.safetensors (the server model: keep it small), with every trial's console log. To read them here:
 #
 #   mkdir -p /tmp/t && tar xzf trials.tgz -C /tmp/t && ls /tmp/t/device-work/trials/out
 #
@@ -68,6 +68,8 @@ for spec in $TRIALS; do
   [ -n "$f" ] && cp "$f" "$work/out/$name.jsonl"
   s=$(find "$work/runs/$name" -name summary.json 2>/dev/null | head -1)
   [ -n "$s" ] && cp "$s" "$work/out/$name.summary.json"
+  m=$(find "$work/runs/$name" -path "*/$METHOD/$METHOD.safetensors" 2>/dev/null | head -1)
+  [ -n "$m" ] && cp "$m" "$work/out/$name.safetensors"
 done
 tar czf "$OUT/trials.tgz" "$work/logs" "$work/out"
 grep -h "rc=\|skip" "$work"/logs/*.log

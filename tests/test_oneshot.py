@@ -472,13 +472,37 @@ def test_kd_step_reports_its_peak_gradient_norm_and_grad_clip_bounds_the_step(tm
         engine = _distiller(tmp_path / str(clip), grad_clip=clip)
         batch = engine.synthesize(1)
         before = torch.cat([p.detach().flatten().clone() for p in engine.student.parameters()])
-        loss, peak = engine.distill(batch)
+        loss, peak, dead = engine.distill(batch)
+        assert dead is not None and 0.0 <= dead < 1.0  # a fresh cnn2 student passes signal
         after = torch.cat([p.detach().flatten() for p in engine.student.parameters()])
         assert np.isfinite(loss) and peak > 1e-3  # the norm before clipping, in both runs
         steps[clip] = (float((after - before).norm()), peak)
     assert steps[0.0][1] == pytest.approx(steps[1e-3][1], rel=1e-5)  # same start, same batch, same norm
     assert steps[0.0][0] == pytest.approx(0.5 * steps[0.0][1], rel=1e-4)  # plain SGD: lr x |g|
     assert steps[1e-3][0] == pytest.approx(0.5 * 1e-3, rel=1e-3)  # clipped to lr x grad_clip
+
+
+def test_dead_units_counts_relu_channels_that_are_never_positive():
+    from hetfl.fl.datafree import DeadUnits
+
+    torch.manual_seed(0)
+    model = build_model("cnn2", 1, 28, 10).train()
+    x = torch.rand(16, 1, 28, 28)
+    probe = DeadUnits(model)
+    model(x)
+    probe.remove()
+    assert probe.fraction() is not None and float(probe.fraction()) == 0.0  # BN in train mode: both signs
+    bn = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    with torch.no_grad():
+        bn[1].bias.fill_(-100.0)  # the second block's ReLU sees only negatives: its 32 channels are dead
+        bn[0].bias[:4] = -100.0  # and 4 of the first block's 16
+    probe = DeadUnits(model)
+    model(x)
+    probe.remove()
+    assert float(probe.fraction()) == pytest.approx((32 + 4) / (16 + 32))
+    model(x)  # removed hooks record nothing more
+    assert len(probe.alive) == 2
+    assert DeadUnits(torch.nn.Linear(3, 2)).fraction() is None  # no ReLU modules: nothing to report
 
 
 def test_config_key_leaves_later_keys_out_at_their_default():

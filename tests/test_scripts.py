@@ -58,6 +58,7 @@ def test_trials_script_passes_each_trials_overrides_and_packs_the_method_logs(tm
     logged = tmp_path / "device-work" / "trials" / "runs" / "a" / "dense" / "metrics.jsonl"
     logged.parent.mkdir(parents=True)
     logged.write_text('{"method": "dense", "step": 1, "accuracy": 50.0}\n')
+    (logged.parent / "dense.safetensors").write_bytes(b"model")
     env = {**os.environ, "TRIALS": "a:partition.alpha=0.3,methods.dense.lr=0.005 b: c", "CONFIG": "x.yaml",
            "METHOD": "dense", "CACHE": "cache/gpu", "DL": "60", "DEV": "cpu", "PY": "echo",
            "OUT": str(tmp_path / "out")}  # echo: the command line, no run
@@ -70,7 +71,8 @@ def test_trials_script_passes_each_trials_overrides_and_packs_the_method_logs(tm
     assert "trial b (as configured)" in b and "--set" not in b and "--set" not in c
     with tarfile.open(tmp_path / "out" / "trials.tgz") as tar:
         names = set(tar.getnames())
-    assert {"device-work/trials/out/a.jsonl", "device-work/trials/logs/b.log"} <= names
+    assert {"device-work/trials/out/a.jsonl", "device-work/trials/out/a.safetensors",
+            "device-work/trials/logs/b.log"} <= names
     assert "device-work/trials/out/b.jsonl" not in names  # b logged nothing
 
 

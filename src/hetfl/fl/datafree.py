@@ -13,7 +13,9 @@ checkpoint after every ``checkpoint_every`` epochs so an interrupted server stag
 epoch logs the mean KD loss and ``kd_grad_max``, the largest gradient norm of the student's KD steps
 (before the optional ``grad_clip``, which is in none of the papers): a student that collapses to one
 class shows as a drop of that norm to the last layer's ~1.6 (measured at FedHydra's paper budget,
-docs/results/fedhydra-notes.md).
+docs/results/fedhydra-notes.md). It also logs ``dead_units``, the fraction of the student's ReLU
+channels that output zero on every sample of the epoch's last KD batch (:class:`DeadUnits`): 1.0
+for a layer that no longer passes any signal, which leaves only the last layer's bias to train.
 
 Speed: with ``channels_last`` (default) the generator, teachers and student run in NHWC, where
 oneDNN's convolutions are faster on CPUs (measured 1.26x per generator step at batch 256 on an
@@ -54,6 +56,30 @@ def kl_div(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperatu
     s = F.log_softmax(student_logits / temperature, dim=1)
     per_sample = (t.exp() * (t - s)).sum(dim=1) * temperature**2
     return per_sample.mean() if reduction == "batchmean" else per_sample
+
+
+class DeadUnits:
+    """Which ReLU channels of ``model`` output zero on every sample while attached (forward hooks
+    on its ``nn.ReLU`` modules; a channel is dim 1, all other dims are pooled). ``fraction()`` is
+    the share of channels, over all hooked ReLUs, that were never positive; kept on the device
+    until read. A model without ``nn.ReLU`` modules gives ``None``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.alive: list[torch.Tensor] = []
+        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, nn.ReLU)]
+
+    def _hook(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        dims = [d for d in range(output.dim()) if d != 1]
+        self.alive.append((output.detach() > 0).any(dim=dims) if dims else output.detach() > 0)
+
+    def fraction(self) -> torch.Tensor | None:
+        if not self.alive:
+            return None
+        return 1.0 - torch.cat([a.flatten() for a in self.alive]).float().mean()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 class ChannelMeanVar(torch.autograd.Function):
@@ -264,16 +290,22 @@ class DataFreeDistiller:
         # (safetensors refuses shared storage).
         return [(to_uint8(x), y.detach().clone(), logits) for x, logits, _ in kept]
 
-    def distill(self, batches: list[Batch]) -> tuple[float, float]:
-        """One SGD step per batch; returns the mean KD loss and the largest gradient norm of the
-        student (before clipping), both kept on the device until the end (no sync per step)."""
+    def distill(self, batches: list[Batch]) -> tuple[float, float, float | None]:
+        """One SGD step per batch; returns the mean KD loss, the largest gradient norm of the
+        student (before clipping), both kept on the device until the end (no sync per step), and
+        the student's dead ReLU share on the last batch (:class:`DeadUnits`)."""
         self.student.train()
         params = [p for p in self.student.parameters() if p.requires_grad]
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # summed on the device
         peak = torch.zeros((), device=self.ctx.device)
-        for batch in batches:
+        dead: torch.Tensor | None = None
+        for i, batch in enumerate(batches):
             x, P = self.recipe.kd_batch(self, batch)
+            probe = DeadUnits(self.student) if i == len(batches) - 1 else None
             s = self.student(x)
+            if probe is not None:
+                probe.remove()
+                dead = probe.fraction()
             loss = self.recipe.student_loss(P, s, self.cfg)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -283,7 +315,7 @@ class DataFreeDistiller:
             peak = torch.maximum(peak, norm.detach().float())
             self.opt.step()
             total += loss.detach().double()
-        return float(total) / max(len(batches), 1), float(peak)
+        return float(total) / max(len(batches), 1), float(peak), None if dead is None else float(dead)
 
     def replay_batches(self, epoch: int) -> list[Batch]:
         pool = list(self.pool)
@@ -375,7 +407,7 @@ class DataFreeDistiller:
             t0 = time.perf_counter()
             fresh = self.synthesize(epoch)
             t1 = time.perf_counter()
-            kd_loss, grad_max = self.distill(fresh + self.replay_batches(epoch))
+            kd_loss, grad_max, dead = self.distill(fresh + self.replay_batches(epoch))
             if cfg.pool_size != 0:
                 self.pool.extend(fresh)
             self.last_batch = fresh[-1]
@@ -386,6 +418,8 @@ class DataFreeDistiller:
             self.timing["generation"] += t1 - t0
             self.timing["distillation"] += t2 - t1
             row: dict[str, Any] = {"kd_loss": kd_loss, "kd_grad_max": grad_max}
+            if dead is not None:
+                row["dead_units"] = dead
             if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
                 acc = ctx.evaluate(self.student)["accuracy"]
                 self.history.append(acc)
