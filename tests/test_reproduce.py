@@ -1004,6 +1004,25 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])
 
 
+def test_same_uploads_compares_digests_method_by_method():
+    from hetfl.reproduce.common import same_uploads
+
+    cfg = {"dataset": "fmnist", "seed": 0, "clients": 10, "partition": {"kind": "dirichlet", "alpha": 0.5},
+           "client": {"model": "vgg9"}, "server": {"model": "vgg9"}}
+
+    def cell(**digests: str) -> dict:
+        return {"config": cfg, "results": {m: {"accuracy": 1.0, "uploads_sha256": d} for m, d in digests.items()}}
+
+    full = cell(fedmho="cvae", fedmho_md="cvae", fedavg="clf", feddf="clf")  # two kinds of upload in one cell
+    part = cell(fedmho="cvae", fedavg="clf")
+    assert same_uploads(full, part) and same_uploads(part, full)
+    assert same_uploads(cell(dense="clf"), full)  # a method the cell lacks, on one of the cell's uploads
+    assert not same_uploads(full, cell(fedmho="cvae", fedavg="other"))
+    assert not same_uploads(cell(dense="other"), full)
+    assert not same_uploads(cell(fedmho="cvae", dense="other"), full)  # one digest the cell never had
+    assert not same_uploads(full, {**cell(fedmho="cvae"), "config": {**cfg, "seed": 1}})
+
+
 def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_path):
     from hetfl.reproduce.common import merge_methods
 

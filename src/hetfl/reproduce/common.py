@@ -151,8 +151,8 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     """Add ``methods``' results from ``summary`` (a run elsewhere, e.g. on a lent GPU with the cell's
     upload cache carried, or on a CPU with it imported) to the archived cell ``archived_file``, with
     their configs and, from ``metrics`` (that run's metrics.jsonl), their per-epoch curves when the
-    archived cell keeps curves. Only on the same uploads (:func:`same_uploads`: same setting and one
-    ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method;
+    archived cell keeps curves. Only on the same uploads (:func:`same_uploads`: same setting and the
+    same ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method;
     ValueError otherwise, naming the mismatch. The archived cell's environment stays its own: each
     merged result carries its own seconds, and a hand-written ``note`` should say where it ran."""
     archived = json.loads(archived_file.read_text())
@@ -188,14 +188,19 @@ def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any
 
 def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
-    and then, where both recorded it, the same ``uploads_sha256`` in every method's result (runs since
-    that field), else FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
+    and then, where both recorded ``uploads_sha256`` (runs since that field), the same digest for every
+    method both ran and every digest of the cell with fewer of them found in the other (a cell's
+    methods may upload different things: FedMHO's classifiers and CVAEs, FedCVAE's decoders), else
+    FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
     keys = ("dataset", "seed", "clients", "partition", "client", "server")
     if any(a["config"].get(k) != b["config"].get(k) for k in keys):
         return False
-    digests_a, digests_b = upload_digests(a), upload_digests(b)
-    if digests_a and digests_b:
-        return len(digests_a | digests_b) == 1
+    per_a, per_b = method_digests(a), method_digests(b)
+    if per_a and per_b:
+        if any(per_a[m] != per_b[m] for m in per_a.keys() & per_b.keys()):
+            return False
+        fewer, more = sorted((set(per_a.values()), set(per_b.values())), key=len)
+        return fewer <= more
 
     def accuracy(cell: dict[str, Any], method: str) -> float | None:
         return cell["results"].get(method, {}).get("accuracy")
@@ -204,8 +209,13 @@ def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return accuracy(a, "fedavg") is not None and all(accuracy(a, m) == accuracy(b, m) for m in ("fedavg", "ensemble"))
 
 
+def method_digests(cell: dict[str, Any]) -> dict[str, str]:
+    """``{method: uploads_sha256}`` for the methods of a cell that recorded it."""
+    return {m: r["uploads_sha256"] for m, r in cell["results"].items() if "uploads_sha256" in r}
+
+
 def upload_digests(cell: dict[str, Any]) -> set[str]:
-    return {r["uploads_sha256"] for r in cell["results"].values() if "uploads_sha256" in r}
+    return set(method_digests(cell).values())
 
 
 PARTIAL_INTRO = """Summaries of methods run again into another runs folder, on the seeds of archived cells (same
