@@ -472,14 +472,31 @@ def test_kd_step_reports_its_peak_gradient_norm_and_grad_clip_bounds_the_step(tm
         engine = _distiller(tmp_path / str(clip), grad_clip=clip)
         batch = engine.synthesize(1)
         before = torch.cat([p.detach().flatten().clone() for p in engine.student.parameters()])
-        loss, peak, dead = engine.distill(batch)
-        assert dead is not None and 0.0 <= dead < 1.0  # a fresh cnn2 student passes signal
+        stats = engine.distill(batch, new=1)
+        loss, peak, dead = stats["kd_loss"], stats["kd_grad_max"], stats["dead_units"]
+        assert 0.0 <= dead < 1.0 and stats["kd_loss_new"] == loss  # a fresh student passes signal; one new batch
         after = torch.cat([p.detach().flatten() for p in engine.student.parameters()])
         assert np.isfinite(loss) and peak > 1e-3  # the norm before clipping, in both runs
         steps[clip] = (float((after - before).norm()), peak)
     assert steps[0.0][1] == pytest.approx(steps[1e-3][1], rel=1e-5)  # same start, same batch, same norm
     assert steps[0.0][0] == pytest.approx(0.5 * steps[0.0][1], rel=1e-4)  # plain SGD: lr x |g|
     assert steps[1e-3][0] == pytest.approx(0.5 * 1e-3, rel=1e-3)  # clipped to lr x grad_clip
+
+
+def test_kd_loss_new_is_the_loss_of_the_fresh_batches_before_their_step(tmp_path):
+    import copy
+
+    engine = _distiller(tmp_path)
+    batch = engine.synthesize(1)
+    x, P = engine.recipe.kd_batch(engine, batch[0])
+    before = copy.deepcopy(engine.student).train()
+    with torch.no_grad():
+        first = float(engine.recipe.student_loss(P, before(x), engine.cfg))
+    stats = engine.distill(batch + batch, new=1)  # the fresh batch, then the same batch replayed
+    assert stats["kd_loss_new"] == pytest.approx(first, rel=1e-5)
+    second = 2 * stats["kd_loss"] - first  # the same batch after one SGD step (lr 0.5: overshoots)
+    assert abs(second - first) > 1e-3
+    assert "kd_loss_new" not in engine.distill(batch)  # nothing new: not logged
 
 
 def test_dead_units_counts_relu_channels_that_are_never_positive():

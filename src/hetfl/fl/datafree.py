@@ -14,8 +14,12 @@ epoch logs the mean KD loss and ``kd_grad_max``, the largest gradient norm of th
 (before the optional ``grad_clip``, which is in none of the papers): a student that collapses to one
 class shows as a drop of that norm to the last layer's ~1.6 (measured at FedHydra's paper budget,
 docs/results/fedhydra-notes.md). It also logs ``dead_units``, the fraction of the student's ReLU
-channels that output zero on every sample of the epoch's last KD batch (:class:`DeadUnits`): 1.0
-for a layer that no longer passes any signal, which leaves only the last layer's bias to train.
+channels that output zero on every sample of the epoch's last KD batch (:class:`DeadUnits`; a layer
+at 1.0 passes no signal, which leaves only the last layer's bias to train), and ``kd_loss_new``, the
+KD loss of the epoch's fresh batches met before their own step. At FedHydra's paper budget a
+generator that finds batches on which the student is confidently wrong (``kd_loss_new`` 20-50)
+drives every BN scale and shift of the student's second block down at once, and its ReLUs die
+(docs/results/fedhydra-notes.md, thirty-fifth session).
 
 Speed: with ``channels_last`` (default) the generator, teachers and student run in NHWC, where
 oneDNN's convolutions are faster on CPUs (measured 1.26x per generator step at batch 256 on an
@@ -290,13 +294,17 @@ class DataFreeDistiller:
         # (safetensors refuses shared storage).
         return [(to_uint8(x), y.detach().clone(), logits) for x, logits, _ in kept]
 
-    def distill(self, batches: list[Batch]) -> tuple[float, float, float | None]:
-        """One SGD step per batch; returns the mean KD loss, the largest gradient norm of the
-        student (before clipping), both kept on the device until the end (no sync per step), and
-        the student's dead ReLU share on the last batch (:class:`DeadUnits`)."""
+    def distill(self, batches: list[Batch], new: int = 0) -> dict[str, float]:
+        """One SGD step per batch. Returns the epoch's log fields: ``kd_loss``, the mean KD loss;
+        ``kd_grad_max``, the largest gradient norm of the student (before clipping); with ``new``
+        > 0, ``kd_loss_new``, the mean KD loss of the first ``new`` batches (this epoch's fresh ones,
+        each met before its own step: how adversarial the new data is to the student); and
+        ``dead_units`` on the last batch (:class:`DeadUnits`, when the student has ReLU modules).
+        Sums stay on the device until the end (no host-device sync per step)."""
         self.student.train()
         params = [p for p in self.student.parameters() if p.requires_grad]
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # summed on the device
+        total_new = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         peak = torch.zeros((), device=self.ctx.device)
         dead: torch.Tensor | None = None
         for i, batch in enumerate(batches):
@@ -315,7 +323,14 @@ class DataFreeDistiller:
             peak = torch.maximum(peak, norm.detach().float())
             self.opt.step()
             total += loss.detach().double()
-        return float(total) / max(len(batches), 1), float(peak), None if dead is None else float(dead)
+            if i < new:
+                total_new += loss.detach().double()
+        out = {"kd_loss": float(total) / max(len(batches), 1), "kd_grad_max": float(peak)}
+        if new > 0 and batches:
+            out["kd_loss_new"] = float(total_new) / min(new, len(batches))
+        if dead is not None:
+            out["dead_units"] = float(dead)
+        return out
 
     def replay_batches(self, epoch: int) -> list[Batch]:
         pool = list(self.pool)
@@ -407,7 +422,7 @@ class DataFreeDistiller:
             t0 = time.perf_counter()
             fresh = self.synthesize(epoch)
             t1 = time.perf_counter()
-            kd_loss, grad_max, dead = self.distill(fresh + self.replay_batches(epoch))
+            row: dict[str, Any] = self.distill(fresh + self.replay_batches(epoch), new=len(fresh))
             if cfg.pool_size != 0:
                 self.pool.extend(fresh)
             self.last_batch = fresh[-1]
@@ -417,9 +432,6 @@ class DataFreeDistiller:
             t2 = time.perf_counter()
             self.timing["generation"] += t1 - t0
             self.timing["distillation"] += t2 - t1
-            row: dict[str, Any] = {"kd_loss": kd_loss, "kd_grad_max": grad_max}
-            if dead is not None:
-                row["dead_units"] = dead
             if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
                 acc = ctx.evaluate(self.student)["accuracy"]
                 self.history.append(acc)
