@@ -996,8 +996,16 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     (row,) = curve_run_rows(folder, json.loads((folder / "runs.json").read_text())["runs"])
     assert (row["epochs"], row["best"], row["best_epoch"], row["final"]) == (8, 70.0, 3, 9.9)
     assert (row["collapsed"], row["first_collapse"], row["grad_max"]) == (3, 4, 8.0)
+    assert (row["dead_max"], row["first_dead"], row["new_max"]) == (None, None, None)  # an older log
+    (folder / "n.jsonl").write_text("\n".join(
+        json.dumps({"method": "dense", "step": i, "kd_grad_max": 1.0, "kd_loss_new": new, "dead_units": dead,
+                    "accuracy": 50.0}) for i, (new, dead) in enumerate([(3.0, 0.0), (50.0, 0.0), (4.0, 0.5)], 1)))
+    (folder / "runs.json").write_text(json.dumps({"about": "test", "runs": [
+        {"cell": "fmnist-0.5-s0", "method": "dense", "run": "call 1", "file": "a.jsonl"},
+        {"cell": "fmnist-0.5-s0", "method": "dense", "run": "new", "file": "n.jsonl"}]}))
     body = curve_runs_report(folder, tmp_path / "r.md")
-    assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 3 (from 4) | 8.0 |" in body
+    assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 3 (from 4) | 8.0 | - | - |" in body
+    assert "| fmnist-0.5-s0 | DENSE | new | 3 | 50.00 (1) | 50.00 | 0 | 1.0 | 0.50 (3) | 50.0 |" in body
     assert (tmp_path / "r-paper-server-curves.png").is_file()
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):

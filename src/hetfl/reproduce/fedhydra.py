@@ -921,8 +921,10 @@ def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, A
     """One row per entry of ``runs`` (cell, method, run, file: that method's metrics.jsonl in
     ``folder``): epochs logged, best % and its epoch, final %, the epochs at chance after the curve
     had first learned (:func:`hetfl.report.collapse_bounds` of :data:`CURVE_CLASSES`: at or below
-    10.5 % after passing 30 %) and the first of them, and the largest student gradient norm of a KD
-    step (``kd_grad_max``, where logged)."""
+    10.5 % after passing 30 %) and the first of them, the largest student gradient norm of a KD
+    step (``kd_grad_max``), the largest share of dead ReLU channels and the first epoch with any
+    (``dead_units``), and the largest KD loss of an epoch's fresh batches (``kd_loss_new``); each
+    None where the log lacks it."""
     from hetfl.report import collapse_bounds
 
     at_chance, learned = collapse_bounds(CURVE_CLASSES)
@@ -937,11 +939,17 @@ def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, A
         best_epoch, best = max(curve, key=lambda point: point[1])  # the first epoch at the best
         passed = next((i for i, (_, acc) in enumerate(curve) if acc >= learned), len(curve))
         collapsed = [step for step, acc in curve[passed:] if acc <= at_chance]
-        grads = [r["kd_grad_max"] for r in logged if "kd_grad_max" in r]
+        first_dead = next((r["step"] for r in logged if r.get("dead_units", 0) > 0), None)
         rows.append({**run, "epochs": curve[-1][0], "best": best, "best_epoch": best_epoch, "final": curve[-1][1],
                      "collapsed": len(collapsed), "first_collapse": collapsed[0] if collapsed else None,
-                     "grad_max": max(grads) if grads else None, "curve": curve})
+                     "grad_max": _largest(logged, "kd_grad_max"), "dead_max": _largest(logged, "dead_units"),
+                     "first_dead": first_dead, "new_max": _largest(logged, "kd_loss_new"), "curve": curve})
     return rows
+
+
+def _largest(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return max(values) if values else None
 
 
 def curve_runs_report(folder: Path, path: Path) -> str:
@@ -959,13 +967,21 @@ def curve_runs_report(folder: Path, path: Path) -> str:
              f"\"collapsed\" = epochs at or below {at_chance} % after the curve first passed {learned:.0f} % "
              "(the student then predicts one class), with the first such epoch. Logs in "
              f"`{folder.parent.name}/{folder.name}/`.", "", "### Per run", "",
-             "| cell | method | run | epochs | best % (epoch) | final % | collapsed (first) | largest KD grad norm |",
-             "|---|---|---|---|---|---|---|---|"]
+             "`dead units` = the largest share of the student's ReLU channels never positive on an epoch's last KD "
+             "batch (with the first epoch above 0); `new-batch KD loss` = the largest KD loss of an epoch's fresh "
+             "batches before their own step (both logged since the thirty-fifth session; - before).", "",
+             "| cell | method | run | epochs | best % (epoch) | final % | collapsed (first) | largest KD grad norm "
+             "| dead units (first) | largest new-batch KD loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = f" (from {r['first_collapse']})" if r["first_collapse"] is not None else ""
         grad = f"{r['grad_max']:.1f}" if r["grad_max"] is not None else "-"
+        dead = "-" if r["dead_max"] is None else f"{r['dead_max']:.2f}" + (
+            f" ({r['first_dead']})" if r["first_dead"] is not None else "")
+        new = f"{r['new_max']:.1f}" if r["new_max"] is not None else "-"
         lines.append(f"| {r['cell']} | {LABELS.get(r['method'], r['method'])} | {r['run']} | {r['epochs']} | "
-                     f"{r['best']:.2f} ({r['best_epoch']}) | {r['final']:.2f} | {r['collapsed']}{first} | {grad} |")
+                     f"{r['best']:.2f} ({r['best_epoch']}) | {r['final']:.2f} | {r['collapsed']}{first} | {grad} "
+                     f"| {dead} | {new} |")
     figure = plot_curve_runs(rows, path.with_name(f"{path.stem}-{CURVE_RUNS}.png"))
     return "\n".join(lines) + f"\n\n![{figure.stem}]({figure.name})"
 
