@@ -938,9 +938,13 @@ def test_fedmho_vgg9_budget_sets_client_precision_only_where_it_is_given():
     validate(vgg)
     reduced = mho.cell_config("mnist", "0.1", 0, "reduced")  # archived configs keep their exact keys
     assert "precision" not in reduced["client"]
+    e50 = mho.cell_config("mnist", "0.1", 0, "vgg9-e50")  # the classifiers' training length alone differs
+    validate(e50)
+    assert e50["client"]["epochs"] == 50 and e50["name"].endswith("-vgg9-e50")
+    assert {**e50, "name": vgg["name"], "client": {**e50["client"], "epochs": 10}} == vgg
 
 
-@pytest.mark.parametrize("budget", ["reduced", "vgg9-e10"])
+@pytest.mark.parametrize("budget", ["reduced", "vgg9-e10", "vgg9-e50"])
 @pytest.mark.parametrize("variant", ["main", "nofilter", "rth0.4", "curve"])
 def test_fedmho_cell_variant_is_read_back_from_its_name_whatever_dashes_the_budget_holds(budget, variant):
     from hetfl.reproduce import fedmho as mho
