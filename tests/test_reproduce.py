@@ -830,6 +830,40 @@ def test_fedmho_kd_cost_points_fit_and_figure(tmp_path):
     assert "### What the KD term costs FedMHO (budget `reduced`)" in out.read_text()
 
 
+def test_fedmho_lead_over_fedcvae_against_w0_fits_within_each_setting(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    runs = tmp_path / "runs"
+    # MD - FedCVAE-Ens = 2 w_0 + a per-setting offset: exact within a setting, not pooled
+    data = {("0.5", 0): 40.0, ("0.5", 1): 50.0, ("0.1", 0): 20.0, ("0.1", 1): 26.0}
+    for (setting, seed), w0 in data.items():
+        cfg = mho.cell_config("fmnist", setting, seed, "reduced")
+        lead = 2 * w0 + (-90.0 if setting == "0.5" else -30.0)
+        results = {"fedmho": {"accuracy": 60.0, "best_accuracy": 60.0, "init_accuracy": w0},
+                   "fedmho_md": {"accuracy": 60.0 + lead, "best_accuracy": 60.0},
+                   "fedcvae_ens": {"accuracy": 60.0, "best_accuracy": 60.0}}
+        (runs / cfg["name"]).mkdir(parents=True)
+        (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    cfg = mho.cell_config("fmnist", "0.3", 0, "reduced")  # no FedCVAE-Ens: no point
+    (runs / cfg["name"]).mkdir(parents=True)
+    (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": {
+        "fedmho": {"accuracy": 1.0, "best_accuracy": 1.0, "init_accuracy": 99.0}}}))
+    points = mho.generative_leads(mho._cells(runs, "reduced"))
+    assert sorted(points["fedmho_md"]) == [("0.1", 20.0, 10.0), ("0.1", 26.0, 22.0), ("0.5", 40.0, -10.0),
+                                           ("0.5", 50.0, 10.0)]
+    assert sorted(points["fedmho"]) == [("0.1", 20.0, 0.0), ("0.1", 26.0, 0.0), ("0.5", 40.0, 0.0), ("0.5", 50.0, 0.0)]
+    r, slope = mho.within_setting_fit(points["fedmho_md"])
+    assert r == pytest.approx(1.0) and slope == pytest.approx(2.0)
+    assert mho.within_setting_fit(points["fedmho"]) is None  # a constant lead has no correlation
+    assert mho.within_setting_fit([("0.5", 1.0, 2.0), ("0.1", 3.0, 1.0)]) is None  # one point per setting
+    out = tmp_path / "fedmho.md"
+    text = mho.lead_report(runs, out)
+    md = next(x for x in text.splitlines() if x.startswith("| FedMHO-MD, `reduced` |"))
+    assert md.startswith("| FedMHO-MD, `reduced` | 4 | 34.0 (20.0-50.0) | 3 of 4 | 1.00, +2.00 | ")
+    assert "FMNIST:" in text and "MNIST:" not in text.replace("FMNIST:", "")
+    assert (tmp_path / "fedmho-lead-fmnist.png").stat().st_size > 0
+
+
 def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figure(tmp_path):
     folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
     folder.mkdir(parents=True)

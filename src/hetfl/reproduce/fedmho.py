@@ -534,11 +534,96 @@ def plot_curves(root: Path, path: Path) -> list[Path]:
     return written
 
 
+LEAD_METHODS = ("fedmho", "fedmho_md", "fedmho_sd")
+LEAD_INTRO = """Each point is one Table 4 cell and seed: x = w_0 (FedMHO's initial model, the average of the
+classification clients), y = the method minus FedCVAE-Ens (final %; above 0 = ahead of the generative
+baseline, the paper's ordering). "Within a setting": each setting's seeds centred on their own means
+before the fit, so alpha does not drive it. Break-even = the w_0 where the pooled fit crosses 0."""
+
+
+def generative_leads(cells: list[dict[str, Any]]) -> dict[str, list[tuple[str, float, float]]]:
+    """Per FedMHO method, one ``(setting, w_0, method - FedCVAE-Ens)`` point (final %) per cell that ran
+    both; w_0 is the method's own ``init_accuracy``, else FedMHO's (the same classifier uploads)."""
+    points: dict[str, list[tuple[str, float, float]]] = {}
+    for s in cells:
+        r = s["results"]
+        if "fedcvae_ens" not in r:
+            continue
+        for m in LEAD_METHODS:
+            w0 = r.get(m, {}).get("init_accuracy", r.get("fedmho", {}).get("init_accuracy"))
+            if m in r and w0 is not None:
+                lead = r[m]["accuracy"] - r["fedcvae_ens"]["accuracy"]
+                points.setdefault(m, []).append((_alpha(s["config"]), w0, lead))
+    return points
+
+
+def within_setting_fit(points: list[tuple[str, float, float]]) -> tuple[float, float] | None:
+    """``(r, slope)`` of y on x after centring both on each setting's mean; None when x does not vary."""
+    by_setting: dict[str, list[tuple[float, float]]] = {}
+    for setting, x, y in points:
+        by_setting.setdefault(setting, []).append((x, y))
+    xs: list[float] = []
+    ys: list[float] = []
+    for pts in by_setting.values():
+        mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
+        xs += [p[0] - mx for p in pts]
+        ys += [p[1] - my for p in pts]
+    sxx = sum(x * x for x in xs)
+    if len(xs) < 3 or sxx < 1e-12 or sum(y * y for y in ys) < 1e-12:
+        return None
+    return statistics.correlation(xs, ys), sum(x * y for x, y in zip(xs, ys)) / sxx
+
+
+def _lead_row(label: str, pts: list[tuple[str, float, float]]) -> str:
+    xs, ys = [p[1] for p in pts], [p[2] for p in pts]
+    within = within_setting_fit(pts)
+    pooled, even = "-", "-"
+    if len(pts) >= 3 and len(set(xs)) > 1:
+        line = statistics.linear_regression(xs, ys)
+        pooled = f"{line.intercept:+.2f} {line.slope:+.3f} w_0"
+        if line.slope > 0:
+            even = f"{-line.intercept / line.slope:.1f}"
+    return (f"| {label} | {len(pts)} | {statistics.fmean(xs):.1f} ({min(xs):.1f}-{max(xs):.1f}) | "
+            f"{sum(y > 0 for y in ys)} of {len(ys)} | "
+            f"{f'{within[0]:.2f}, {within[1]:+.2f}' if within else '-'} | {pooled} | {even} |")
+
+
+def lead_report(root: Path, path: Path, archive: Path | None = None) -> str:
+    """Markdown, per dataset: how far FedMHO, MD and SD are ahead of FedCVAE-Ens against w_0, per budget,
+    with one figure per dataset (``<stem>-lead-<dataset>.png`` beside ``path``)."""
+    from hetfl.report import plot_scatter_fits
+
+    lines: list[str] = []
+    for dataset in DATASETS:
+        rows: list[str] = []
+        figure_points: dict[str, list[tuple[float, float]]] = {}
+        for budget in BUDGETS:
+            main = [s for s in _cells(root, budget, archive)
+                    if _variant(s["config"]) == "main" and s["config"]["dataset"] == dataset]
+            for m, pts in generative_leads(main).items():
+                rows.append(_lead_row(f"{LABELS[m]}, `{budget}`", pts))
+                if m != "fedmho":
+                    figure_points[f"{LABELS[m]}, {budget}"] = [(p[1], p[2]) for p in pts]
+        if not rows:
+            continue
+        if not lines:
+            lines += ["### Ahead of FedCVAE-Ens, against the classifiers' average w_0", "", LEAD_INTRO, ""]
+        lines += [f"{dataset.upper()}:", "",
+                  "| method, budget | points | w_0 mean (range) | ahead in | within a setting: r, slope | "
+                  "pooled fit | break-even w_0 |", "|---|---|---|---|---|---|---|", *rows]
+        figure = path.with_name(f"{path.stem}-lead-{dataset}.png")
+        if plot_scatter_fits(figure_points, figure, "w_0: the classifiers' average (final %)",
+                             "method - FedCVAE-Ens (final %)", f"{dataset.upper()}: ahead of FedCVAE-Ens"):
+            lines += ["", f"![lead over FedCVAE-Ens, {dataset}]({figure.name})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     archive = common.archive_folder(path)
     standing = standing_report(root, archive)
     if standing:
-        standing += "\n\n" + kd_cost_report(root, path, archive)
+        standing += "\n\n" + kd_cost_report(root, path, archive) + "\n" + lead_report(root, path, archive)
     bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
               common.partial_report(archive, LABELS)]
     common.write_results(path, HEADER, bodies, notes)
