@@ -558,7 +558,8 @@ def generative_leads(cells: list[dict[str, Any]]) -> dict[str, list[tuple[str, f
 
 
 def within_setting_fit(points: list[tuple[str, float, float]]) -> tuple[float, float] | None:
-    """``(r, slope)`` of y on x after centring both on each setting's mean; None when x does not vary."""
+    """``(r, slope)`` of y on x after centring both on each setting's mean; None with fewer than three
+    points or where the centred x or y does not vary (one point per setting, a constant lead)."""
     by_setting: dict[str, list[tuple[float, float]]] = {}
     for setting, x, y in points:
         by_setting.setdefault(setting, []).append((x, y))
