@@ -424,6 +424,12 @@ def _class_cost_lines(points: dict[str, list[tuple[float, float]]], budget: str,
     return lines
 
 
+def _linear_fit(xs: list[float], ys: list[float]) -> Any:
+    """Least-squares line of ys on xs (``statistics.linear_regression``), or None with fewer than three
+    points or a constant x."""
+    return statistics.linear_regression(xs, ys) if len(xs) >= 3 and len(set(xs)) > 1 else None
+
+
 def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
     """Markdown, per budget with Table 4 cells: what each KD variant costs against plain FedMHO, and a
     least-squares fit of that cost on FedMHO - w_0 (drawn as ``<stem>-kd-cost-<budget>.png`` beside ``path``)."""
@@ -443,8 +449,8 @@ def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
         for m, pts in points.items():
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             fit, r = "-", "-"
-            if len(pts) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
-                line = statistics.linear_regression(xs, ys)
+            line = _linear_fit(xs, ys)
+            if line is not None and len(set(ys)) > 1:  # a constant cost has no correlation
                 fit, r = f"{line.intercept:+.2f} {line.slope:+.3f} x", f"{statistics.correlation(xs, ys):.2f}"
             lines.append(f"| {LABELS[m]} | {len(pts)} | {statistics.fmean(ys):.2f} | "
                          f"{sum(y > 0 for y in ys)} of {len(ys)} | {fit} | {r} |")
@@ -579,8 +585,8 @@ def _lead_row(label: str, pts: list[tuple[str, float, float]]) -> str:
     xs, ys = [p[1] for p in pts], [p[2] for p in pts]
     within = within_setting_fit(pts)
     pooled, even = "-", "-"
-    if len(pts) >= 3 and len(set(xs)) > 1:
-        line = statistics.linear_regression(xs, ys)
+    line = _linear_fit(xs, ys)
+    if line is not None:
         pooled = f"{line.intercept:+.2f} {line.slope:+.3f} w_0"
         if line.slope > 0:
             even = f"{-line.intercept / line.slope:.1f}"
@@ -595,13 +601,13 @@ def lead_report(root: Path, path: Path, archive: Path | None = None) -> str:
     from hetfl.report import plot_scatter_fits
 
     lines: list[str] = []
+    main = {budget: [s for s in _cells(root, budget, archive) if _variant(s["config"]) == "main"]
+            for budget in BUDGETS}
     for dataset in DATASETS:
         rows: list[str] = []
         figure_points: dict[str, list[tuple[float, float]]] = {}
-        for budget in BUDGETS:
-            main = [s for s in _cells(root, budget, archive)
-                    if _variant(s["config"]) == "main" and s["config"]["dataset"] == dataset]
-            for m, pts in generative_leads(main).items():
+        for budget, cells in main.items():
+            for m, pts in generative_leads([s for s in cells if s["config"]["dataset"] == dataset]).items():
                 rows.append(_lead_row(f"{LABELS[m]}, `{budget}`", pts))
                 if m != "fedmho":
                     figure_points[f"{LABELS[m]}, {budget}"] = [(p[1], p[2]) for p in pts]
