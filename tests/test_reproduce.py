@@ -156,9 +156,20 @@ def test_cli_names_the_option_and_value_it_rejects(capsys, tmp_path, paper_name,
 
 @pytest.mark.parametrize("budget", list(paper.BUDGETS))
 def test_budgets_define_every_key(budget):
-    keys = set(paper.BUDGETS[budget]) - {"precision"}  # optional: fp32 unless given
+    keys = set(paper.BUDGETS[budget]) - {"precision", "ours"}  # optional: fp32 and the method defaults unless given
     assert keys == {"client_epochs", "epochs", "generator_steps", "batch_size", "strat_batch_size", "feddf_steps"}
     assert paper.precision(budget) in ("fp32", "bf16")
+
+
+def test_paper_budget_runs_our_variant_at_temperature_20_and_the_reduced_budgets_at_its_default():
+    from hetfl.methods import fedhydra as fh
+
+    cfg = paper.cell_config("fmnist", "0.5", 0, "paper")
+    assert cfg["methods"][paper.VARIANT]["temperature"] == 20.0
+    assert "temperature" not in cfg["methods"]["fedhydra"] and "temperature" not in cfg["methods"]["dense"]
+    for budget in ("reduced", "reduced-t60", "reduced-t60-g30"):
+        assert "temperature" not in paper.cell_config("fmnist", "0.5", 0, budget)["methods"][paper.VARIANT]
+    assert fh.FedHydraDenseLoopLog1p.method_defaults["temperature"] == 1.0  # what those cells ran with
 
 
 
@@ -1045,6 +1056,19 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 3 (from 4) | 8.0 | - | - |" in body
     assert "| fmnist-0.5-s0 | DENSE | new | 3 | 50.00 (1) | 50.00 | 0 | 1.0 | 0.50 (3) | 50.0 |" in body
     assert (tmp_path / "r-paper-server-curves.png").is_file()
+    assert "### Our variant per change" not in body  # no run names a change
+    (folder / "runs.json").write_text(json.dumps({"about": "test", "runs": [
+        {"cell": "c", "method": "dense", "run": "call 1", "file": "a.jsonl", "change": "none"},
+        {"cell": "c", "method": "dense", "run": "new", "file": "n.jsonl", "change": "lr"},
+        {"cell": "c", "method": "dense", "run": "again", "file": "a.jsonl", "change": "none"}]}))
+    body = curve_runs_report(folder, tmp_path / "r.md")
+    assert "| none | 2 | 8 | 2 of 2 | 70.00 (70.00-70.00) | 9.90 (9.90-9.90) | 0.0 |" in body  # paper 77.20
+    assert "| lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 0.0 |" in body
+    assert body.index("| none |") < body.index("| lr |")  # in the order first met
+    from hetfl.reproduce.fedhydra import change_rows
+    (lr,) = [c for c in change_rows(curve_run_rows(folder, json.loads((folder / "runs.json").read_text())["runs"]),
+                                    paper=45.0) if c["change"] == "lr"]
+    assert lr["above"] == 3.0  # three epochs at 50 % above 45 %
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])
