@@ -875,6 +875,37 @@ def test_fedmho_lead_over_fedcvae_against_w0_fits_within_each_setting(tmp_path):
     assert (tmp_path / "fedmho-lead-fmnist.png").stat().st_size > 0
 
 
+def test_fedmho_local_epochs_section_pairs_each_seed_and_falls_back_on_the_grid_cell(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    archive = tmp_path / "fedmho-runs"
+    (archive / "ablate").mkdir(parents=True)
+    assert mho.epochs_report(archive) == ""  # no runs: no section
+
+    def summary(epochs: int, w0: float, md: float, ens: float) -> str:
+        cfg = {"client": {"epochs": epochs}}
+        return json.dumps({"config": cfg, "results": {
+            "fedmho": {"accuracy": 70.0, "init_accuracy": w0}, "fedmho_md": {"accuracy": md},
+            "fedmho_sd": {"accuracy": md + 1}, "fedcvae_ens": {"accuracy": ens}}})
+
+    (archive / "ablate" / "fedmho-E5-fmnist-a0.5-s0.json").write_text(summary(5, 60.0, 65.0, 70.0))
+    (archive / "ablate" / "fedmho-E50-fmnist-a0.5-s0.json").write_text(summary(50, 70.0, 73.0, 70.0))
+    (archive / "ablate" / "fedmho-E50-fmnist-a0.5-s1.json").write_text(summary(50, 66.0, 69.0, 70.0))
+    (archive / "ablate" / "fedmho-E50-fmnist-a0.1-s0.json").write_text(summary(50, 30.0, 40.0, 70.0))
+    (archive / "fedmho-fmnist-a0.5-s1-reduced.json").write_text(summary(5, 60.0, 63.0, 71.0))  # s1's E = 5
+    (archive / "fedmho-fmnist-a0.5-s0-reduced.json").write_text(summary(5, 0.0, 0.0, 0.0))  # s0 has its own run
+    (archive / "ablate" / "fedmho-freezebn-fmnist-a0.5.json").write_text("{}")  # another experiment: ignored
+    rows = mho.epoch_runs(archive)
+    assert [(r["setting"], r["seed"], r["epochs"], r["source"]) for r in rows] == [
+        ("0.5", 0, 5, "run"), ("0.5", 0, 50, "run"), ("0.5", 1, 5, "grid cell"), ("0.5", 1, 50, "run"),
+        ("0.1", 0, 50, "run")]  # SETTINGS order; no grid cell of a0.1 s0 in the archive
+    text = mho.epochs_report(archive)
+    assert "| FMNIST | Dir(0.5) | 1 | 5 | grid cell | 60.00 | 70.00 | 63.00 | 64.00 | 71.00 | -8.00 | -7.00 |" in text
+    # w_0 +10 and +6, MD +8 and +6; at E = 50 MD is above FedCVAE-Ens in seed 0 (73 > 70), not seed 1 (69)
+    assert "| FMNIST | Dir(0.5) | 5 to 50 | 2 | +8.00 | +7.00 | +7.00 | 1 of 2 | 1 of 2 |" in text
+    assert "| FMNIST | Dir(0.1) | 50 | 1 | - | - | - | 0 of 1 | 0 of 1 |" in text
+
+
 def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figure(tmp_path):
     folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
     folder.mkdir(parents=True)

@@ -626,11 +626,111 @@ def lead_report(root: Path, path: Path, archive: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+EPOCH_RUNS = "ablate"  # archive subfolder: fedmho-E<epochs>-<dataset>-a<alpha>-s<seed>.json, the local-epochs runs
+EPOCH_METHODS = ("fedmho", "fedmho_md", "fedmho_sd", "fedcvae_ens")
+
+
+def epoch_runs(archive: Path) -> list[dict[str, Any]]:
+    """The local-epochs experiment at budget ``reduced``: one row per summary
+    ``archive/ablate/fedmho-E<E>-<dataset>-a<alpha>-s<seed>.json`` (the grid's cell config with the
+    classifiers' ``client.epochs`` set to E), plus, for a (dataset, alpha, seed) with runs at other
+    epochs only, the grid cell of budget ``reduced`` (its own epochs) as the shorter run. Each row:
+    dataset, setting, seed, epochs, source (``run`` or ``grid cell``), w_0 and the final % of
+    :data:`EPOCH_METHODS`, sorted by dataset, setting (as in :data:`SETTINGS`), seed, epochs."""
+    import re
+
+    pattern = re.compile(r"fedmho-E(\d+)-(\w+)-a([\d.]+)-s(\d+)\.json")
+    rows: list[dict[str, Any]] = []
+    for f in sorted((archive / EPOCH_RUNS).glob("fedmho-E*.json")):
+        if (m := pattern.fullmatch(f.name)) is not None:
+            rows.append(_epoch_row(json.loads(f.read_text()), m[2], m[3], int(m[4]), "run"))
+    grid_epochs = BUDGETS["reduced"]["client_epochs"]
+    for key in sorted({(r["dataset"], r["setting"], r["seed"]) for r in rows}):
+        grid = archive / f"fedmho-{key[0]}-a{key[1]}-s{key[2]}-reduced.json"
+        if grid.is_file() and not any((r["dataset"], r["setting"], r["seed"]) == key and r["epochs"] == grid_epochs
+                                      for r in rows):
+            rows.append(_epoch_row(json.loads(grid.read_text()), *key, "grid cell"))
+    order = {a: i for i, a in enumerate(SETTINGS)}
+    return sorted(rows, key=lambda r: (r["dataset"], order.get(r["setting"], len(order)), r["seed"], r["epochs"]))
+
+
+def _epoch_row(summary: dict[str, Any], dataset: str, setting: str, seed: int, source: str) -> dict[str, Any]:
+    r = summary["results"]
+    return {"dataset": dataset, "setting": setting, "seed": seed, "source": source,
+            "epochs": summary["config"]["client"]["epochs"],
+            "w0": r.get("fedmho", {}).get("init_accuracy"),
+            **{m: r[m]["accuracy"] if m in r else None for m in EPOCH_METHODS}}
+
+
+def _pct(value: float | None, sign: bool = False) -> str:
+    return "-" if value is None else (f"{value:+.2f}" if sign else f"{value:.2f}")
+
+
+def _lead(row: dict[str, Any], method: str) -> float | None:
+    return None if row[method] is None or row["fedcvae_ens"] is None else row[method] - row["fedcvae_ens"]
+
+
+def epochs_report(archive: Path) -> str:
+    """Markdown for :func:`epoch_runs`: every run, then per (dataset, setting) the mean change from the
+    shorter to the longest run of each seed and how many seeds put MD and SD above FedCVAE-Ens there;
+    empty without such runs."""
+    rows = epoch_runs(archive)
+    if not rows:
+        return ""
+    lines = ["### The classifiers' local epochs (budget `reduced`, cnn2 classifiers)", "",
+             "The grid cell's config with the classification clients' `client.epochs` changed (E); the CVAE "
+             "clients do not depend on it, so FedCVAE-Ens is the same in a seed's runs where they share an "
+             "upload cache. \"grid cell\" = the archived `reduced` cell of that seed (E = "
+             f"{BUDGETS['reduced']['client_epochs']}), standing in for a run at E = "
+             f"{BUDGETS['reduced']['client_epochs']} on the same cache (its CVAE uploads may differ). w_0 = the "
+             "classifiers' average (FedMHO's initial model); final %. Summaries in "
+             f"`{archive.name}/{EPOCH_RUNS}/`.", "",
+             "| dataset | setting | seed | E | source | w_0 | FedMHO | MD | SD | FedCVAE-Ens | MD - Ens | SD - Ens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dataset'].upper()} | Dir({r['setting']}) | {r['seed']} | {r['epochs']} | {r['source']} | "
+                     f"{_pct(r['w0'])} | {_pct(r['fedmho'])} | {_pct(r['fedmho_md'])} | {_pct(r['fedmho_sd'])} | "
+                     f"{_pct(r['fedcvae_ens'])} | {_pct(_lead(r, 'fedmho_md'), True)} | "
+                     f"{_pct(_lead(r, 'fedmho_sd'), True)} |")
+    lines += ["", "Per setting: the longest run of each seed minus its shortest (mean over the seeds with both), and "
+              "the seeds whose longest run puts MD / SD above FedCVAE-Ens.", "",
+              "| dataset | setting | E | seeds | w_0 change | MD change | SD change | MD above FedCVAE-Ens | "
+              "SD above FedCVAE-Ens |", "|---|---|---|---|---|---|---|---|---|"]
+    for (dataset, setting), group in _groups(rows).items():
+        pairs = [(g[0], g[-1]) for g in group.values() if len(g) > 1]
+        longest = [g[-1] for g in group.values()]
+        spans = sorted({f"{g[0]['epochs']} to {g[-1]['epochs']}" if len(g) > 1 else str(g[0]['epochs'])
+                        for g in group.values()})
+        lines.append(f"| {dataset.upper()} | Dir({setting}) | {', '.join(spans)} | {len(group)} | "
+                     + " | ".join(_mean_change(pairs, k) for k in ("w0", "fedmho_md", "fedmho_sd")) + " | "
+                     + " | ".join(_ahead(longest, m) for m in ("fedmho_md", "fedmho_sd")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_change(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> str:
+    diffs = [b[key] - a[key] for a, b in pairs if a[key] is not None and b[key] is not None]
+    return f"{statistics.fmean(diffs):+.2f}" if diffs else "-"
+
+
+def _ahead(rows: list[dict[str, Any]], method: str) -> str:
+    leads = [x for x in (_lead(r, method) for r in rows) if x is not None]
+    return f"{sum(x > 0 for x in leads)} of {len(leads)}"
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, list[dict[str, Any]]]]:
+    """``rows`` (sorted by :func:`epoch_runs`) by (dataset, setting), then by seed, each seed's rows by epochs."""
+    out: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+    for r in rows:
+        out.setdefault((r["dataset"], r["setting"]), {}).setdefault(r["seed"], []).append(r)
+    return out
+
+
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     archive = common.archive_folder(path)
     standing = standing_report(root, archive)
     if standing:
-        standing += "\n\n" + kd_cost_report(root, path, archive) + "\n" + lead_report(root, path, archive)
+        standing += ("\n\n" + kd_cost_report(root, path, archive) + "\n" + lead_report(root, path, archive)
+                     + "\n" + epochs_report(archive))
     bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
               common.partial_report(archive, LABELS)]
     common.write_results(path, HEADER, bodies, notes)
