@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -637,8 +638,6 @@ def epoch_runs(archive: Path) -> list[dict[str, Any]]:
     epochs only, the grid cell of budget ``reduced`` (its own epochs) as the shorter run. Each row:
     dataset, setting, seed, epochs, source (``run`` or ``grid cell``), w_0 and the final % of
     :data:`EPOCH_METHODS`, sorted by dataset, setting (as in :data:`SETTINGS`), seed, epochs."""
-    import re
-
     pattern = re.compile(r"fedmho-E(\d+)-(\w+)-a([\d.]+)-s(\d+)\.json")
     rows: list[dict[str, Any]] = []
     for f in sorted((archive / EPOCH_RUNS).glob("fedmho-E*.json")):
