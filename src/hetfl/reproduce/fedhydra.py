@@ -64,7 +64,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # settings of our variant (VARIANT) at this budget only. Its KD at temperature 1 collapsed to one class
     # at Fashion-MNIST Dir(0.5) in 7 of 7 GPU runs of 200 epochs; at DENSE's temperature 20 in 0 of 4
     # (thirty-seventh session, docs/results/fedhydra-notes.md). The reduced budgets keep temperature 1,
-    # the setting their archived cells ran with; at `reduced` 20 was not better (7 paired Fashion runs).
+    # the setting their archived cells ran with; at `reduced` 20 was no consistent gain (9 paired Fashion runs).
     "paper": {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
               "strat_batch_size": 64, "feddf_steps": 10000, "ours": {"temperature": 20.0}},
     "reduced": REDUCED,
