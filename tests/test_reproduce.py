@@ -1089,17 +1089,17 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     assert (tmp_path / "r-paper-server-curves.png").is_file()
     assert "### Our variant per change" not in body  # no run names a change
     (folder / "runs.json").write_text(json.dumps({"about": "test", "runs": [
-        {"cell": "c", "method": "dense", "run": "call 1", "file": "a.jsonl", "change": "none"},
-        {"cell": "c", "method": "dense", "run": "new", "file": "n.jsonl", "change": "lr"},
-        {"cell": "c", "method": "dense", "run": "again", "file": "a.jsonl", "change": "none"}]}))
+        {"cell": "fmnist-0.5-s0, GPU", "method": "dense", "run": "call 1", "file": "a.jsonl", "change": "none"},
+        {"cell": "fmnist-0.5-s0, GPU", "method": "dense", "run": "new", "file": "n.jsonl", "change": "lr"},
+        {"cell": "fmnist-0.5-s0, CPU", "method": "dense", "run": "again", "file": "a.jsonl", "change": "none"},
+        {"cell": "mnist-0.01-s0", "method": "dense", "run": "m", "file": "n.jsonl", "change": "lr"}]}))
     body = curve_runs_report(folder, tmp_path / "r.md")
-    assert "| none | 2 | 8 | 2 of 2 | 70.00 (70.00-70.00) | 9.90 (9.90-9.90) | 0.0 |" in body  # paper 77.20
-    assert "| lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 0.0 |" in body
-    assert body.index("| none |") < body.index("| lr |")  # in the order first met
-    from hetfl.reproduce.fedhydra import change_rows
-    (lr,) = [c for c in change_rows(curve_run_rows(folder, json.loads((folder / "runs.json").read_text())["runs"]),
-                                    paper=45.0) if c["change"] == "lr"]
-    assert lr["above"] == 3.0  # three epochs at 50 % above 45 %
+    # fmnist alpha 0.5: paper 77.20; the two "none" runs share a cell before the comma
+    assert "| fmnist-0.5-s0 | none | 2 | 8 | 2 of 2 | 70.00 (70.00-70.00) | 9.90 (9.90-9.90) | 77.20 | 0.0 |" in body
+    assert "| fmnist-0.5-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 77.20 | 0.0 |" in body
+    # mnist alpha 0.01: paper 38.83, so all three epochs at 50 % are above it
+    assert "| mnist-0.01-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 38.83 | 3.0 |" in body
+    assert body.index("| fmnist-0.5-s0 | none |") < body.index("| fmnist-0.5-s0 | lr |")  # in the order first met
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])

@@ -992,46 +992,46 @@ def curve_runs_report(folder: Path, path: Path) -> str:
     return "\n".join(lines) + f"\n\n![{figure.stem}]({figure.name})"
 
 
-def change_rows(rows: list[dict[str, Any]], paper: float) -> list[dict[str, Any]]:
-    """The runs of :func:`curve_run_rows` that name a ``change`` (runs.json), one row per change in
-    the order first met: how many runs, how many collapsed (any epoch at chance after learning), the
-    mean, smallest and largest best and final accuracies, the fewest epochs run and the mean number
-    of epochs above ``paper`` (the paper's number for the cell)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+def change_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of :func:`curve_run_rows` that name a ``change`` (runs.json), one row per (cell, change)
+    in the order first met, the cell being the part of the run's ``cell`` before its first comma
+    (``<dataset>-<alpha>-s<seed>``): how many runs, how many collapsed (any epoch at chance after
+    learning), the best and final accuracies, the fewest epochs run, the paper's FedHydra for that
+    dataset and alpha, and the mean number of epochs above it."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("change"):
-            groups.setdefault(r["change"], []).append(r)
+            groups.setdefault((r["cell"].split(",")[0], r["change"]), []).append(r)
     out = []
-    for change, runs in groups.items():
-        best, final = [r["best"] for r in runs], [r["final"] for r in runs]
-        above = [sum(acc > paper for _, acc in r["curve"]) for r in runs]
-        out.append({"change": change, "runs": len(runs), "collapsed": sum(r["collapsed"] > 0 for r in runs),
-                    "epochs": min(r["epochs"] for r in runs), "best": best, "final": final,
-                    "above": statistics.fmean(above)})
+    for (cell, change), runs in groups.items():
+        dataset, setting = cell.split("-")[:2]
+        paper = PAPER[dataset]["fedhydra"][SETTINGS.index(setting)]
+        out.append({"cell": cell, "change": change, "runs": len(runs), "paper": paper,
+                    "collapsed": sum(r["collapsed"] > 0 for r in runs), "epochs": min(r["epochs"] for r in runs),
+                    "best": [r["best"] for r in runs], "final": [r["final"] for r in runs],
+                    "above": statistics.fmean(sum(acc > paper for _, acc in r["curve"]) for r in runs)})
     return out
 
 
+def _spread(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def change_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines for :func:`change_rows` against the paper's Fashion-MNIST alpha = 0.5 FedHydra
-    (the cell whose runs carry a ``change``); none if no run does."""
-    paper = PAPER["fmnist"]["fedhydra"][SETTINGS.index("0.5")]
-    table = change_rows(rows, paper)
+    """Markdown lines for :func:`change_rows`; none if no run names a change."""
+    table = change_rows(rows)
     if not table:
         return []
-
-    def spread(values: list[float]) -> str:
-        return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
     lines = ["", "### Our variant per change (the runs that name one in runs.json)", "",
              "Ours on the same uploads with one setting changed from T_G = 30, lr 0.01, beta 1 and temperature 1 "
              "(\"none\": the settings of the runs named \"as configured\" above, before temperature 20 became "
              "ours at budget `paper`), GPU runs; a run counts as collapsed if any epoch was at chance after it "
-             f"had learned. Paper: {paper:.2f}.", "",
-             "| change | runs | fewest epochs | collapsed runs | best % mean (range) | final % mean (range) "
-             f"| epochs above {paper:.2f}, mean |", "|---|---|---|---|---|---|---|"]
+             "had learned. \"paper\" = the paper's FedHydra for the cell's dataset and alpha.", "",
+             "| cell | change | runs | fewest epochs | collapsed runs | best % mean (range) | final % mean (range) "
+             "| paper | epochs above the paper, mean |", "|---|---|---|---|---|---|---|---|---|"]
     for c in table:
-        lines.append(f"| {c['change']} | {c['runs']} | {c['epochs']} | {c['collapsed']} of {c['runs']} | "
-                     f"{spread(c['best'])} | {spread(c['final'])} | {c['above']:.1f} |")
+        lines.append(f"| {c['cell']} | {c['change']} | {c['runs']} | {c['epochs']} | {c['collapsed']} of {c['runs']} | "
+                     f"{_spread(c['best'])} | {_spread(c['final'])} | {c['paper']:.2f} | {c['above']:.1f} |")
     return lines
 
 
