@@ -906,6 +906,40 @@ def test_fedmho_local_epochs_section_pairs_each_seed_and_falls_back_on_the_grid_
     assert "| FMNIST | Dir(0.1) | 50 | 1 | - | - | - | 0 of 1 | 0 of 1 |" in text
 
 
+def test_fedmho_local_epochs_at_the_vgg9_scale_pair_each_e50_cell_with_its_e10_cell(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    archive = tmp_path / "fedmho-runs"
+    archive.mkdir()
+
+    def write(budget: str, alpha: float, seed: int, epochs: int, w0: float, md: float, ens: float | None,
+              variant: str = "") -> None:
+        name = f"fedmho-fmnist-a{alpha:g}{variant}-s{seed}-{budget}"
+        cfg = {"name": name, "dataset": "fmnist", "seed": seed, "partition": {"alpha": alpha},
+               "client": {"epochs": epochs}}
+        results = {"fedmho": {"accuracy": 60.0, "init_accuracy": w0}, "fedmho_md": {"accuracy": md},
+                   "fedmho_sd": {"accuracy": md - 1}}
+        if ens is not None:
+            results["fedcvae_ens"] = {"accuracy": ens}
+        (archive / f"{name}.json").write_text(json.dumps({"config": cfg, "results": results}))
+
+    write("vgg9-e10", 0.5, 0, 10, 40.0, 66.0, 70.0)
+    write("vgg9-e10", 0.5, 1, 10, 0.0, 0.0, 0.0)  # no e50 cell of seed 1: not shown
+    write("vgg9-e50", 0.5, 0, 50, 50.0, 71.0, None)  # FedCVAE-Ens from the e10 cell
+    write("vgg9-e50", 0.3, 0, 50, 45.0, 60.0, 65.0)  # no e10 cell: shown alone
+    write("vgg9-e50", 0.5, 0, 50, 0.0, 0.0, 0.0, variant="-nofilter")  # another variant: ignored
+    rows = mho.vgg9_epoch_runs(archive)
+    assert [(r["setting"], r["seed"], r["epochs"], r["fedcvae_ens"]) for r in rows] == [
+        ("0.5", 0, 10, 70.0), ("0.5", 0, 50, 70.0), ("0.3", 0, 50, 65.0)]
+    assert rows[1]["source"] == "`vgg9-e50` cell (FedCVAE-Ens of `vgg9-e10`)"
+    text = mho.epochs_report(archive)
+    assert "(VGG-9 classifiers, budgets `vgg9-e10` and `vgg9-e50`)" in text and "budget `reduced`" not in text
+    assert "| FMNIST | Dir(0.5) | 0 | 50 | `vgg9-e50` cell (FedCVAE-Ens of `vgg9-e10`) | 50.00 | 60.00 | 71.00 | " \
+           "70.00 | 70.00 | +1.00 | +0.00 |" in text
+    assert "| FMNIST | Dir(0.5) | 10 to 50 | 1 | +10.00 | +5.00 | +5.00 | 1 of 1 | 0 of 1 |" in text
+    assert "| FMNIST | Dir(0.3) | 50 | 1 | - | - | - | 0 of 1 | 0 of 1 |" in text
+
+
 def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figure(tmp_path):
     folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
     folder.mkdir(parents=True)

@@ -669,21 +669,66 @@ def _lead(row: dict[str, Any], method: str) -> float | None:
     return None if row[method] is None or row["fedcvae_ens"] is None else row[method] - row["fedcvae_ens"]
 
 
+VGG9_PAIR = ("vgg9-e10", "vgg9-e50")  # the same cells with the classifiers' local epochs 10 and 50
+
+
+def vgg9_epoch_runs(archive: Path) -> list[dict[str, Any]]:
+    """The local-epochs experiment at the VGG-9 scale: for every archived main cell of budget
+    ``vgg9-e50`` (``archive/fedmho-<dataset>-a<alpha>-s<seed>-vgg9-e50.json``), one row for it and one
+    for the ``vgg9-e10`` cell of the same dataset, setting and seed when archived (rows as
+    :func:`epoch_runs`, source = the budget). FedCVAE-Ens trains no classifier, so where the
+    ``vgg9-e50`` cell did not run it, its row takes the ``vgg9-e10`` cell's (source says so)."""
+    short, long = VGG9_PAIR
+    rows: list[dict[str, Any]] = []
+    for f in sorted(archive.glob(f"{PREFIX}-*-{long}.json")):
+        summary = json.loads(f.read_text())
+        cfg = summary["config"]
+        if _variant(cfg) != "main":
+            continue
+        key = (cfg["dataset"], _alpha(cfg), int(cfg["seed"]))
+        e50 = _epoch_row(summary, *key, f"`{long}` cell")
+        pair = archive / f"{PREFIX}-{key[0]}-a{key[1]}-s{key[2]}-{short}.json"
+        if pair.is_file():
+            e10 = _epoch_row(json.loads(pair.read_text()), *key, f"`{short}` cell")
+            rows.append(e10)
+            if e50["fedcvae_ens"] is None and e10["fedcvae_ens"] is not None:
+                e50 = {**e50, "fedcvae_ens": e10["fedcvae_ens"],
+                       "source": f"`{long}` cell (FedCVAE-Ens of `{short}`)"}
+        rows.append(e50)
+    order = {a: i for i, a in enumerate(SETTINGS)}
+    return sorted(rows, key=lambda r: (r["dataset"], order.get(r["setting"], len(order)), r["seed"], r["epochs"]))
+
+
 def epochs_report(archive: Path) -> str:
-    """Markdown for :func:`epoch_runs`: every run, then per (dataset, setting) the mean change from the
-    shorter to the longest run of each seed and how many seeds put MD and SD above FedCVAE-Ens there;
-    empty without such runs."""
+    """Markdown for :func:`epoch_runs` (budget ``reduced``, cnn2) and :func:`vgg9_epoch_runs` (VGG-9):
+    every run, then per (dataset, setting) the mean change from the shorter to the longest run of each
+    seed and how many seeds put MD and SD above FedCVAE-Ens there; empty without such runs."""
+    text = ""
     rows = epoch_runs(archive)
-    if not rows:
-        return ""
-    lines = ["### The classifiers' local epochs (budget `reduced`, cnn2 classifiers)", "",
-             "The grid cell's config with the classification clients' `client.epochs` changed (E); the CVAE "
-             "clients do not depend on it, so FedCVAE-Ens is the same in a seed's runs where they share an "
-             "upload cache. \"grid cell\" = the archived `reduced` cell of that seed (E = "
-             f"{BUDGETS['reduced']['client_epochs']}), standing in for a run at E = "
-             f"{BUDGETS['reduced']['client_epochs']} on the same cache (its CVAE uploads may differ). w_0 = the "
-             "classifiers' average (FedMHO's initial model); final %. Summaries in "
-             f"`{archive.name}/{EPOCH_RUNS}/`.", "",
+    if rows:
+        text += _epochs_tables(rows, "budget `reduced`, cnn2 classifiers", (
+            "The grid cell's config with the classification clients' `client.epochs` changed (E); the CVAE "
+            "clients do not depend on it, so FedCVAE-Ens is the same in a seed's runs where they share an "
+            "upload cache. \"grid cell\" = the archived `reduced` cell of that seed (E = "
+            f"{BUDGETS['reduced']['client_epochs']}), standing in for a run at E = "
+            f"{BUDGETS['reduced']['client_epochs']} on the same cache (its CVAE uploads may differ). w_0 = the "
+            "classifiers' average (FedMHO's initial model); final %. Summaries in "
+            f"`{archive.name}/{EPOCH_RUNS}/`."))
+    rows = vgg9_epoch_runs(archive)
+    if rows:
+        short, long = VGG9_PAIR
+        text += ("\n" if text else "") + _epochs_tables(rows, "VGG-9 classifiers, budgets "
+                                                         f"`{short}` and `{long}`", (
+            f"The archived Table 4 cells of budget `{long}` beside the `{short}` cell of the same seed: the same "
+            "config but the classification clients' `client.epochs` (E), each cell with its own uploads (both "
+            "on a GPU, whose client training is not bit-for-bit repeatable). Where the "
+            f"`{long}` cell did not run FedCVAE-Ens (it trains no classifier), the `{short}` cell's stands in. "
+            "w_0 = the classifiers' average (FedMHO's initial model); final %."))
+    return text
+
+
+def _epochs_tables(rows: list[dict[str, Any]], what: str, intro: str) -> str:
+    lines = [f"### The classifiers' local epochs ({what})", "", intro, "",
              "| dataset | setting | seed | E | source | w_0 | FedMHO | MD | SD | FedCVAE-Ens | MD - Ens | SD - Ens |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
