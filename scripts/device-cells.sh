@@ -7,6 +7,7 @@
 # Each cell (dataset:setting:seed) gets its own process, runs folder and upload cache, and runs its
 # methods one after another (METHODS, comma-separated; default: the paper's own list), so a cell
 # killed at the deadline keeps the methods it finished (each is written to summary.json as it ends).
+# A method whose worker finished just before the deadline stopped the cell is merged at the end.
 # A GPU is saturated by about seven such processes (nvidia-smi showed 99-100 % busy). At the end,
 # the summaries, metrics and partitions and every log go to $OUT/cells.tgz. To archive the cells
 # (a cell that lacks some of its archived copy's methods goes to partial/<folder>/, named after the
@@ -66,6 +67,11 @@ if [ "${TESTS:-0}" = 1 ]; then
 fi
 wait "${pids[@]}"
 pkill -f "nvidia-smi dmon" 2>/dev/null
+# a worker that finished while the deadline stopped its cell's process is joined to the cell here
+for root in "$work"/runs/*/; do
+  [ -d "$root" ] && $PY -c "import sys; from pathlib import Path; from hetfl.reproduce.common import merge_finished_parts
+for p in merge_finished_parts(Path(sys.argv[1])): print('merged after the deadline:', p)" "$root" >> "$work/logs/env.txt" 2>&1
+done
 echo "done at $(( $(date +%s) - T0 ))s" >> "$work/logs/env.txt"
 find "$work/runs" \( -name summary.json -o -name metrics.jsonl -o -name partition.json -o -name "*.log" \) \
   > "$work/logs/files.txt" 2>/dev/null

@@ -335,6 +335,34 @@ def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp
     assert archived == ["tiny", "tiny"]  # a cell finished before the call is archived as well
 
 
+def test_a_finished_worker_left_unmerged_by_a_stopped_parent_is_merged_once(tmp_path, tiny_config):
+    """A deadline can stop the parent after a worker's method finished but before the merge: the
+    next call (or merge_finished_parts alone, as scripts/device-cells.sh does) joins that part to the
+    cell instead of running the method again; an unfinished part or other parameters stay apart."""
+    from hetfl.reproduce.common import merge_finished_parts, run_cells_parallel, run_missing_methods
+
+    cfg = validate({**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}}})
+    cache = tmp_path / "cache"
+    run_missing_methods({**cfg, "methods": {"ensemble": {}}}, tmp_path / "tiny", cache, None, True)
+    part = tmp_path / ".parts" / "tiny" / "fedavg"
+    done = run_missing_methods({**cfg, "methods": {"fedavg": {}}}, part, cache, None, True)
+    other = {**cfg, "methods": {**cfg["methods"], "fedavg": {"rounds": 2}}}
+    assert merge_finished_parts(tmp_path, [validate(other)]) == []  # not the parameters asked for
+    assert merge_finished_parts(tmp_path / "nothing") == []
+    lines: list[str] = []
+    assert run_cells_parallel([cfg], tmp_path, cache, None, jobs=2, threads=1, say=lines.append) == []
+    assert lines == ["tiny: fedavg merged (finished in an earlier call)"]  # no worker started
+    cell = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert set(cell["results"]) == {"ensemble", "fedavg"}
+    assert cell["results"]["fedavg"]["accuracy"] == done["results"]["fedavg"]["accuracy"]
+    assert (tmp_path / "tiny" / "fedavg" / "metrics.jsonl").is_file() and not part.exists()
+    assert merge_finished_parts(tmp_path) == []  # nothing left
+    unfinished = tmp_path / ".parts" / "tiny" / "dense"
+    unfinished.mkdir(parents=True)
+    (unfinished / "summary.json").write_text(json.dumps({"config": cfg, "results": {}}))
+    assert merge_finished_parts(tmp_path) == [] and unfinished.exists()
+
+
 def test_jobs_must_be_positive(capsys):
     from hetfl.cli import main
 

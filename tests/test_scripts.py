@@ -82,3 +82,22 @@ def test_trials_script_skips_trials_past_the_deadline(tmp_path):
     done = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "skip a: deadline" in done.stdout and "skip b: deadline" in done.stdout
+
+
+def test_device_script_merges_a_worker_that_finished_as_the_deadline_stopped_its_cell(tmp_path, tiny_config):
+    from hetfl.config import validate
+    from hetfl.reproduce.common import run_missing_methods
+
+    cfg = validate({**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}}})
+    root, cache = tmp_path / "device-work" / "runs" / "1", tmp_path / "cache"
+    run_missing_methods({**cfg, "methods": {"ensemble": {}}}, root / "tiny", cache, None, True)
+    run_missing_methods({**cfg, "methods": {"fedavg": {}}}, root / ".parts" / "tiny" / "fedavg", cache, None, True)
+    env = {**os.environ, "CELLS": "mnist:0.5:0", "DL": "10", "DEV": "cpu", "PY": sys.executable,
+           "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "merged after the deadline: tiny: fedavg" in (tmp_path / "device-work" / "logs" / "env.txt").read_text()
+    with tarfile.open(tmp_path / "out" / "cells.tgz") as tar:
+        names = set(tar.getnames())
+    assert "device-work/runs/1/tiny/fedavg/metrics.jsonl" in names
+    assert not any(".parts" in n for n in names)

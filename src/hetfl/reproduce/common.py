@@ -473,6 +473,34 @@ def _merge_part(cfg: dict[str, Any], cell_out: Path, part: _Job) -> None:
     shutil.rmtree(part.out)
 
 
+def merge_finished_parts(root: Path, cells: list[dict[str, Any]] | None = None) -> list[str]:
+    """Join to ``root/<cell>`` every worker's method folder ``root/.parts/<cell>/<method>`` that
+    finished (its summary.json holds the method's result, on the cell's setting) but was not merged:
+    a worker that ended while its parent was being stopped, say by a device call's deadline. With
+    ``cells`` (validated configs), only their parts whose method parameters are the ones asked for.
+    A cell folder without a summary yet takes nothing. Returns the merged parts as ``<cell>: <method>``."""
+    from hetfl.config import validate
+
+    wanted = {c["name"]: c for c in cells} if cells is not None else None
+    merged = []
+    for done in sorted(root.glob(".parts/*/*/summary.json")):
+        part, cell = done.parent, done.parent.parent.name
+        method, cell_file = part.name, root / cell / "summary.json"
+        summary = json.loads(done.read_text())
+        if method not in summary.get("results", {}) or not cell_file.is_file():
+            continue
+        params = summary["config"]["methods"].get(method)
+        if wanted is not None and (cell not in wanted or wanted[cell]["methods"].get(method) != params):
+            continue
+        earlier = json.loads(cell_file.read_text())["config"]
+        cfg = validate({**earlier, "methods": {**earlier["methods"], method: params}})
+        if not same_setting(summary["config"], cfg):
+            continue
+        _merge_part(cfg, root / cell, _Job(cell, [method], part, part.with_suffix(".log")))
+        merged.append(f"{cell}: {method}")
+    return merged
+
+
 def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str, list[_Job]]]:
     """Per unfinished cell: the clients' job (ready now; it trains every missing method's uploads) and
     one job per other missing method (later)."""
@@ -513,12 +541,15 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     worker gets ``threads`` torch threads (default: the CPU count divided by ``jobs``).
     ``done(cell)`` is called once per cell when its last job has ended and been merged (at once for a
     cell with nothing left to run), e.g. to archive it. Returns the failed jobs (``cell: methods
-    (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the same call resumes.
+    (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the same call resumes (a
+    worker that finished but was not merged is merged first: :func:`merge_finished_parts`).
     """
     from hetfl.config import validate
 
     cells = [validate(c) for c in cells]  # a finished method is recognised by its validated config
     threads = threads or max(1, (os.cpu_count() or 1) // jobs)
+    for line in merge_finished_parts(root, cells):  # workers that ended after their parent was stopped
+        say(f"{line} merged (finished in an earlier call)")
     by_name = {c["name"]: c for c in cells}
     ready, later = _plan(cells, root)
     running: list[_Job] = []
