@@ -66,6 +66,19 @@ def test_ordering_names_the_baselines_it_could_not_compare(tmp_path):
             "final epoch: FedHydra first (65.00 vs best baseline 57.00); "
             "not compared: OT, FedDF, Co-Boosting (not run in every cell)") in text
 
+def test_budget_section_states_our_variants_place_where_fedhydra_as_specified_did_not_run(tmp_path):
+    accs = {"ensemble": 48.0, "fedavg": 38.0, "dense": 61.0, "fedhydra_dense_log1p": 74.0}
+    fake_summary(tmp_path, "fmnist", "0.1", 0, accs, budget="paper")
+    text = paper.report(tmp_path, "paper")
+    assert "Ordering under strong heterogeneity: no complete cells yet" in text  # FedHydra as specified
+    assert "Ordering under strong heterogeneity, `fedhydra_dense_log1p` (best over epochs, then final epoch):" in text
+    assert ("- 0.1 (n=1): `fedhydra_dense_log1p` first (74.00 vs best baseline 61.00); final epoch: "
+            "`fedhydra_dense_log1p` first (73.00 vs best baseline 60.00)") in text
+    # where FedHydra as specified ran in every cell, its line alone (our variants: the one-cache section)
+    fake_summary(tmp_path, "fmnist", "0.1", 0, {**accs, "fedhydra": 50.0}, budget="paper")
+    assert "`fedhydra_dense_log1p` (best" not in paper.report(tmp_path, "paper")
+
+
 def test_ablation_table_takes_the_paper_row_from_the_main_cell_of_the_same_seeds(tmp_path):
     base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
     fake_summary(tmp_path, "mnist", "0.5", 0, {**base, "fedhydra": 70.0})
