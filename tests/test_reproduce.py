@@ -804,6 +804,16 @@ def test_standing_table_gives_each_cell_the_variant_the_best_baseline_per_budget
     assert rows["mnist", "0.1"]["budgets"]["reduced"]["best"] == ("coboosting", 46.0)
     assert rows["mnist", "0.1"]["specified"] == [30.0, 20.0]
     assert rows["mnist", "0.3"]["budgets"]["reduced"] == {"ours": [], "best": None}  # no variant run
+    assert "paper_budget" not in rows["mnist", "0.1"]  # no paper-budget cells: no such columns
+    gpu = {"config": paper.cell_config("mnist", "0.1", 0, "paper"),
+           "results": {m: {"accuracy": a - 1, "best_accuracy": a}
+                       for m, a in {"dense": 61.0, "fedavg": 38.0, "fedhydra_dense_log1p": 74.0}.items()}}
+    lines = paper.standing_table(paper.standing(folder, specified, [gpu])).splitlines()
+    assert next(x for x in lines if x.startswith("| dataset |")).endswith(
+        "| `paper` ours | `paper` best baseline | ours - paper |")
+    row = next(x for x in lines if x.startswith("| MNIST | α=0.1 |"))
+    assert row.endswith("| **74.00 n=1** | 61.00 DENSE | +10.03 (`reduced-t60`) |")  # not in the gap
+    assert next(x for x in lines if x.startswith("| MNIST | α=0.5 |")).endswith("| - | - | -8.75 (`reduced-t60`) |")
     paper.write_results(tmp_path / "runs", tmp_path / "fedhydra.md")
     text = (tmp_path / "fedhydra.md").read_text()
     assert text.index("## Where the reproduction stands") < text.index("## All methods on one upload cache")

@@ -541,32 +541,44 @@ paper's FedHydra. "as specified" = `fedhydra` (the paper's Alg. 1-3 and Eq. 2-19
 FedAvg, OT and FedDF do not depend on the generator budget (T_g, T_G): on the same uploads they repeat
 their numbers at every budget, so OT and FedDF count in a budget that did not run them where the same
 cell ran them at another budget on the same uploads (sections below), and a budget where only ours ran
-("none run") is compared with them through the column of another budget."""
+("none run") is compared with them through the column of another budget. The `paper` columns: the
+paper's budget (local E = 200, T_g = 200, T_G = 30; ours at KD temperature 20) on a lent GPU, n =
+the seeds run there, every method of a cell on its uploads, the best baseline among those run there (section
+"Budget `paper`"); they count neither in the gap nor in the figure."""
 
 
-def standing(folder: Path, specified: list[dict[str, Any]] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+def standing(folder: Path, specified: list[dict[str, Any]] | None = None,
+             paper_cells: list[dict[str, Any]] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
     """Per Table 1/2 cell ``(dataset, setting)``: ``paper`` (the paper's FedHydra), ``specified`` (FedHydra
     as specified, best-over-epochs per ``specified`` cell: the `reduced` grid) and, for each budget with
     one-cache cells in ``folder`` (in :data:`BUDGETS` order), ``ours`` (:data:`VARIANT`'s best-over-epochs
     per seed, empty where it did not run) and ``best`` (the paper baseline with the highest mean over the
-    same cells and that mean, None if none ran in all). Empty if ``folder`` holds no one-cache cell."""
+    same cells and that mean, None if none ran in all). With ``paper_cells`` (cells of budget `paper`,
+    each one upload cache by construction) that holds :data:`VARIANT` somewhere, ``paper_budget`` too,
+    the same two keys from them. Empty if ``folder`` holds no one-cache cell."""
     budgets = {b: cells for b in FP32_BUDGETS if (cells := _one_cache_cells(folder, b))}
     if not budgets:
         return {}
+    with_paper = any(VARIANT in s["results"] for s in paper_cells or [])
     rows = {}
     for dataset in DATASETS:
         for i, setting in enumerate(SETTINGS):
-            per_budget = {}
-            for budget, cells in budgets.items():
-                runs = [s for s in _main_cells(cells, dataset)
-                        if _setting_of(s["config"]) == setting and VARIANT in s["results"]]
-                _, best = _variant_and_best_baseline(runs)
-                per_budget[budget] = {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best}
+            per_budget = {budget: _ours_and_best(cells, dataset, setting) for budget, cells in budgets.items()}
             spec = [s["results"]["fedhydra"]["best_accuracy"] for s in _main_cells(specified or [], dataset)
                     if _setting_of(s["config"]) == setting and "fedhydra" in s["results"]]
             rows[dataset, setting] = {"paper": PAPER[dataset]["fedhydra"][i], "specified": spec,
                                       "budgets": per_budget}
+            if with_paper:
+                rows[dataset, setting]["paper_budget"] = _ours_and_best(paper_cells or [], dataset, setting)
     return rows
+
+
+def _ours_and_best(cells: list[dict[str, Any]], dataset: str, setting: str) -> dict[str, Any]:
+    """``ours`` (:data:`VARIANT`'s best-over-epochs per seed) and ``best`` (:func:`_variant_and_best_baseline`)
+    over the main ``cells`` of one dataset and setting where :data:`VARIANT` ran."""
+    runs = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == setting and VARIANT in s["results"]]
+    _, best = _variant_and_best_baseline(runs)
+    return {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best}
 
 
 def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
@@ -580,21 +592,21 @@ def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     (empty if ``rows`` is)."""
     if not rows:
         return ""
-    budgets = list(next(iter(rows.values()))["budgets"])
+    first = next(iter(rows.values()))
+    budgets = list(first["budgets"])
+    with_paper = "paper_budget" in first
     head = "| dataset | setting | paper FedHydra | as specified, `reduced` | " + " | ".join(
-        f"`{b}` ours | `{b}` best baseline" for b in budgets) + " | ours - paper |"
-    lines = [head, "|---|---|---|---|" + "---|---|" * len(budgets) + "---|"]
+        f"`{b}` ours | `{b}` best baseline" for b in budgets) + (
+        " | `paper` ours | `paper` best baseline" if with_paper else "") + " | ours - paper |"
+    lines = [head, "|---|---|---|---|" + "---|---|" * (len(budgets) + with_paper) + "---|"]
     for (dataset, setting), row in rows.items():
         cols, ours = [], {}
         for budget, cell in row["budgets"].items():
-            if not cell["ours"]:
-                cols.append("- | -")
-                continue
-            mean = ours[budget] = statistics.fmean(cell["ours"])
-            best = cell["best"]
-            text = f"{mean:.2f} n={len(cell['ours'])}"
-            cols.append(f"{f'**{text}**' if best is not None and mean > best[1] else text} | "
-                        + (f"{best[1]:.2f} {LABELS[best[0]]}" if best else "none run"))
+            cols.append(_ours_columns(cell))
+            if cell["ours"]:
+                ours[budget] = statistics.fmean(cell["ours"])
+        if with_paper:
+            cols.append(_ours_columns(row["paper_budget"]))
         gap = "-"
         if ours:
             top = max(ours, key=ours.get)
@@ -606,6 +618,16 @@ def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
                       STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
                       "", *lines])
+
+
+def _ours_columns(cell: dict[str, Any]) -> str:
+    """Two cells of :func:`standing_table`: ours' mean (bold above the best baseline) and the best baseline."""
+    if not cell["ours"]:
+        return "- | -"
+    mean, best = statistics.fmean(cell["ours"]), cell["best"]
+    text = f"{mean:.2f} n={len(cell['ours'])}"
+    return (f"{f'**{text}**' if best is not None and mean > best[1] else text} | "
+            + (f"{best[1]:.2f} {LABELS[best[0]]}" if best else "none run"))
 
 
 def standing_figure_path(path: Path) -> Path:
@@ -887,7 +909,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     budget's per-epoch figures are drawn where there are curves and linked wherever a figure exists
     (one drawn from runs that are gone stays linked)."""
     archive = common.archive_folder(path)
-    rows = standing(archive / ONE_CACHE, _cells(root, "reduced", archive))
+    rows = standing(archive / ONE_CACHE, _cells(root, "reduced", archive), _cells(root, "paper", archive))
     standing_body = standing_table(rows)
     figure = plot_standing(rows, path)
     if figure:
