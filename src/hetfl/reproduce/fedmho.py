@@ -649,6 +649,11 @@ def epoch_runs(archive: Path) -> list[dict[str, Any]]:
         if grid.is_file() and not any((r["dataset"], r["setting"], r["seed"]) == key and r["epochs"] == grid_epochs
                                       for r in rows):
             rows.append(_epoch_row(json.loads(grid.read_text()), *key, "grid cell"))
+    return _by_cell(rows)
+
+
+def _by_cell(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Epoch rows sorted by dataset, setting (as in :data:`SETTINGS`), seed and epochs."""
     order = {a: i for i, a in enumerate(SETTINGS)}
     return sorted(rows, key=lambda r: (r["dataset"], order.get(r["setting"], len(order)), r["seed"], r["epochs"]))
 
@@ -695,8 +700,7 @@ def vgg9_epoch_runs(archive: Path) -> list[dict[str, Any]]:
                 e50 = {**e50, "fedcvae_ens": e10["fedcvae_ens"],
                        "source": f"`{long}` cell (FedCVAE-Ens of `{short}`)"}
         rows.append(e50)
-    order = {a: i for i, a in enumerate(SETTINGS)}
-    return sorted(rows, key=lambda r: (r["dataset"], order.get(r["setting"], len(order)), r["seed"], r["epochs"]))
+    return _by_cell(rows)
 
 
 def epochs_report(archive: Path) -> str:
