@@ -246,6 +246,17 @@ def test_sd_teacher_stays_frozen_while_the_global_model_moves(four_clients):
     assert any(not torch.allclose(final[k], teacher[k]) for k in teacher if final[k].is_floating_point())
 
 
+def test_random_init_keeps_the_fresh_server_model_and_sd_distils_from_it(four_clients):
+    method, uploads, models, ctx = run_server("fedmho_sd", four_clients, {"init": "random"})
+    fresh = ctx.build(ctx.server_arch, purpose="fedmho_sd-global").state_dict()  # same seed, same model
+    init = models["fedmho_sd[init]"].state_dict()
+    assert ctx.record["init"] == "random"
+    assert all(torch.equal(init[k], v) for k, v in fresh.items())
+    average = weighted_average([uploads[c].tensors for c in (0, 1)], [1.0, 1.0])
+    assert any(not torch.allclose(init[k], v) for k, v in average.items() if v.is_floating_point())
+    assert all(torch.equal(method.teacher.state_dict()[k], v) for k, v in fresh.items())
+
+
 def test_heterogeneous_classifiers_initialise_by_ensemble_distillation(four_clients):
     _, _, models, ctx = run_server("fedmho_md", four_clients, {"init_epochs": 1},
                                    archs=["cnn2", "lenet5", "cnn2", "cnn2"])
@@ -319,6 +330,7 @@ def test_unknown_method_key_fails_in_config(tiny_config):
     ("fedmho_md", {"lam": 2.0}, "lambda"),
     ("fedmho_sd", {"freeze_bn": "yes"}, "freeze_bn"),
     ("fedmho", {"init": "average"}, "init: average needs"),
+    ("fedmho", {"init": "scratch"}, "init must be auto, average, distill or random"),
     ("fedcvae_kd", {"z_range": -1}, "z_range"),
     ("fedcvae_ens", {"cvae_lr": 0}, "cvae lr"),
 ])

@@ -16,7 +16,10 @@ Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
   obtained by ensemble distillation instead (Sec. 5.6): a fresh server model is trained with
   ``KL(mean client logits || student)`` on the filtered synthetic set for ``init_epochs`` epochs
   (Adam, ``init_lr``). The paper does not say on which data; the synthetic set is the only data
-  the server has.
+  the server has. ``init: random`` (ours, an ablation of Eq. 4) keeps the server model's fresh
+  initialisation, which Sec. 4.2.3 says the average beats ("compared with random parameter
+  initialization"); SD's teacher is then that random model, as in the official code with
+  ``one_shot=True``.
 * **Data generation** (Sec. 4.2.2, Alg. 1 lines 10-14): ``num_samples`` (N, default 6,000) images.
   The split follows the official code (the paper only says "according to client k's label
   distribution"): N/C per class, and class c's budget is split among the decoders with weights
@@ -215,8 +218,8 @@ class FedMHO(GenerativeMethod):
             raise ValueError(f"r_th (R_th of Alg. 2) must be in (0, 1], got {p['r_th']!r}")
         if not isinstance(p["filter"], bool):
             raise ValueError(f"filter must be true or false, got {p['filter']!r}")
-        if p["init"] not in ("auto", "average", "distill"):
-            raise ValueError(f"init must be auto, average or distill, got {p['init']!r}")
+        if p["init"] not in ("auto", "average", "distill", "random"):
+            raise ValueError(f"init must be auto, average, distill or random, got {p['init']!r}")
         if p["init_weights"] not in ("uniform", "samples"):
             raise ValueError(f"init_weights must be uniform (Eq. 4) or samples, got {p['init_weights']!r}")
         if not isinstance(p["init_lr"], (int, float)) or p["init_lr"] <= 0:
@@ -250,10 +253,13 @@ class FedMHO(GenerativeMethod):
 
     def initial_model(self, classifiers: dict[int, nn.Module], uploads: dict[int, Payload], x: torch.Tensor,
                       ctx: ServerContext) -> nn.Module:
-        """Eq. 4 (parameter average) or, for heterogeneous classifiers, ensemble distillation."""
+        """Eq. 4 (parameter average) or, for heterogeneous classifiers, ensemble distillation;
+        ``random`` keeps the fresh server model (ablation)."""
         mode = self.init_mode(ctx)
         ctx.record["init"] = mode
         model = ctx.build(ctx.server_arch, purpose=f"{self.name}-global")
+        if mode == "random":
+            return model
         if mode == "average":
             ids = sorted(classifiers)
             weights = [uploads[c].meta["num_samples"] if self.params["init_weights"] == "samples" else 1.0
