@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -1240,3 +1241,16 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
                                  for i, a in ((1, 40.0), (2, 63.3))) + "\n")
     merge_methods(archived, run, ["dense"], metrics)
     assert json.loads(archived.read_text())["curves"] == {"ot": [[1, 61.5]], "dense": [[1, 40.0], [2, 63.3]]}
+
+
+def test_shipped_vgg9_trial_config_is_the_reproduce_cell():
+    """configs/fedmho-fmnist-vgg9-e10.yaml must send the reproduce cell's requests (same upload cache):
+    every key but the method subset equals ``cell_config``'s, and each of its methods has the cell's params."""
+    import yaml
+
+    from hetfl.reproduce import fedmho as mho
+
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "configs" / "fedmho-fmnist-vgg9-e10.yaml").read_text())
+    cell = mho.cell_config("fmnist", "0.5", 0, "vgg9-e10")
+    assert {k: v for k, v in shipped.items() if k != "methods"} == {k: v for k, v in cell.items() if k != "methods"}
+    assert shipped["methods"] and all(cell["methods"][m] == p for m, p in shipped["methods"].items())
