@@ -458,6 +458,26 @@ def test_report_adds_a_row_for_fedcvae_kd_only_when_a_cell_ran_it(tmp_path) -> N
     assert row == "| FedCVAE-KD | not run | - | not run | - | 80.00 (81.00) | - |"  # no paper number for KD
 
 
+def test_report_adds_fedavgs_vote_row_only_when_a_cell_reports_the_vote(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce import fedmho as paper
+
+    cfg = paper.cell_config("mnist", "0.3", 0, "reduced", methods=("fedavg",))
+    cell = tmp_path / cfg["name"]
+    cell.mkdir()
+    fedavg = {"accuracy": 40.0, "best_accuracy": 40.0, "models": {"fedavg": 40.0, "fedavg[lenet5]": 30.0}}
+    (cell / "summary.json").write_text(json.dumps({"config": cfg, "results": {"fedavg": fedavg}}))
+    assert "vote" not in paper.report(tmp_path, "reduced")
+    fedavg["models"]["fedavg[vote]"] = 55.5
+    (cell / "summary.json").write_text(json.dumps({"config": cfg, "results": {"fedavg": fedavg}}))
+    lines = paper.report(tmp_path, "reduced").splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("| FedAvg |"))
+    assert lines[i] == "| FedAvg | not run | 85.91±0.57 | 40.00 (40.00) | 74.57±0.73 | not run | 49.12±2.99 |"
+    assert lines[i + 1].startswith("| FedAvg, vote of the per-architecture averages")  # the paper's protocol
+    assert lines[i + 1].endswith("| not run | 85.91±0.57 | 55.50 (55.50) | 74.57±0.73 | not run | 49.12±2.99 |")
+
+
 def _ordering_line(root, setting: str, finals: list[dict[str, float]]) -> str:
     """The MNIST "Paper's ordering" line of the report over one cell per seed (final = best accuracy)."""
     import json

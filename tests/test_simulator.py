@@ -11,6 +11,8 @@ from hetfl.config import validate
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.cache import UploadCache, uploads_digest
 from hetfl.fl.payload import Payload
+from hetfl.fl.training import predict_logits
+from hetfl.models import build_model
 
 
 def run(cfg, out, cache=None, **kw):
@@ -128,8 +130,19 @@ def test_heterogeneous_clients_average_within_each_architecture(tmp_path, tiny_c
     tiny_config["client"]["model"] = ["cnn2", "lenet5"]
     tiny_config["server"]["model"] = "lenet5"
     res = run(tiny_config, tmp_path / "run")["results"]
-    assert set(res["fedavg"]["models"]) == {"fedavg", "fedavg[cnn2]"}  # headline = server arch
+    assert set(res["fedavg"]["models"]) == {"fedavg", "fedavg[cnn2]", "fedavg[vote]"}  # headline = server arch
     assert res["ensemble"]["accuracy"] >= 0
+    # the vote (FedMHO's protocol) = the mean of the two group averages' logits, and is not saved
+    folder = tmp_path / "run" / "fedavg"
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["fedavg.safetensors", "fedavg_cnn2.safetensors"]
+    test = prepare(validate(tiny_config)).splits.test
+    logits = []
+    for name, arch in (("fedavg", "lenet5"), ("fedavg_cnn2", "cnn2")):
+        model = build_model(arch, *test.shape[:2], test.num_classes)
+        model.load_state_dict(load_file(str(folder / f"{name}.safetensors")))
+        logits.append(predict_logits(model, test, torch.device("cpu")))
+    vote = 100.0 * float((torch.stack(logits).mean(0).argmax(1) == test.y).float().mean())
+    assert res["fedavg"]["models"]["fedavg[vote]"] == pytest.approx(vote, abs=1e-4)
     tiny_config["methods"] = {"fedavg": {"rounds": 2}}
     with pytest.raises(ValueError, match="every client on the server architecture"):
         run(tiny_config, tmp_path / "rounds")

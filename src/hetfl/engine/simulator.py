@@ -440,8 +440,11 @@ def accelerator_name(device: torch.device) -> str | None:
 
 
 def save_models(models: dict[str, nn.Module], folder: Path) -> None:
-    """Each returned model as ``<name>.safetensors`` with its architecture in the metadata."""
+    """Each returned model as ``<name>.safetensors`` with its architecture in the metadata; a model
+    whose ``save`` attribute is False (one built from other returned models, such as a vote) is not."""
     for key, model in models.items():
+        if getattr(model, "save", True) is False:
+            continue
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         arch = getattr(model, "arch", type(model).__name__)
         safe = key.replace("[", "_").replace("]", "")

@@ -4,7 +4,11 @@
   E local epochs; the server averages the uploads weighted by sample count,
   ``theta = sum_k n_k / n * theta_k``. With heterogeneous architectures it averages within each
   architecture and reports each group (as FedMHO's baselines do); the headline model is the
-  group of the server architecture, else the group holding most samples.
+  group of the server architecture, else the group holding most samples. It also reports
+  ``fedavg[vote]``, FedMHO's protocol for model-heterogeneous FedAvg ("the voting results of each
+  model prototype", Sec. 5.1): the uniform mean of the group averages' logits, as the authors'
+  ``federated_average_ensemble.py`` computes it. (Their groups are uniform averages; ours weigh by
+  sample count, McMahan's FedAvg.) The vote is evaluated but not saved: its members are.
 * Multi-round (``rounds: T > 1``): each round samples ``max(1, round(C * N))`` clients
   (``sample_ratio`` C), sends them the global weights, and averages their updates by sample
   count. Needs every client on the server architecture.
@@ -16,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from hetfl.fl.aggregate import weighted_average
+from hetfl.fl.aggregate import Ensemble, weighted_average
 from hetfl.fl.client import train_message
 from hetfl.fl.method import OneShotMethod, RoundMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
@@ -46,6 +50,9 @@ class FedAvgOneShot(OneShotMethod):
         out = {"fedavg": averaged[head]}
         if len(averaged) > 1:
             out.update({f"fedavg[{arch}]": m for arch, m in averaged.items() if arch != head})
+            vote = Ensemble([averaged[head], *(m for arch, m in averaged.items() if arch != head)])
+            vote.save = False  # its members are saved under their own names
+            out["fedavg[vote]"] = vote
         return out
 
 

@@ -181,7 +181,19 @@ def _table(cells: list[dict[str, Any]], methods: tuple[str, ...], paper: dict[st
             runs = [s["results"][method] for s in cells if _alpha(s["config"]) == setting and method in s["results"]]
             row.append(_ours(runs) + (f" | {paper.get(method, ['-'] * 3)[i]}" if paper else ""))
         lines.append("| " + " | ".join(row) + " |")
+        if method == "fedavg" and any(_vote(s) is not None for s in cells):
+            row = ["FedAvg, vote of the per-architecture averages (the paper's protocol; cells that report it)"]
+            for setting in SETTINGS:
+                votes = [v for s in cells if _alpha(s["config"]) == setting and (v := _vote(s)) is not None]
+                row.append(_ours([{"accuracy": v, "best_accuracy": v} for v in votes])
+                           + (f" | {paper.get('fedavg', ['-'] * 3)[SETTINGS.index(setting)]}" if paper else ""))
+            lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _vote(cell: dict[str, Any]) -> float | None:
+    """FedAvg's vote of the per-architecture averages (``fedavg[vote]``), where the cell reports it."""
+    return ((cell["results"].get("fedavg") or {}).get("models") or {}).get("fedavg[vote]")
 
 
 def _all_cached(cell: dict[str, Any]) -> bool:
