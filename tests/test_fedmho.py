@@ -474,8 +474,31 @@ def test_report_adds_fedavgs_vote_row_only_when_a_cell_reports_the_vote(tmp_path
     lines = paper.report(tmp_path, "reduced").splitlines()
     i = next(i for i, x in enumerate(lines) if x.startswith("| FedAvg |"))
     assert lines[i] == "| FedAvg | not run | 85.91±0.57 | 40.00 (40.00) | 74.57±0.73 | not run | 49.12±2.99 |"
-    assert lines[i + 1].startswith("| FedAvg, vote of the per-architecture averages")  # the paper's protocol
+    assert lines[i + 1].startswith("| FedAvg, vote of the per-architecture models")  # the paper's protocol
     assert lines[i + 1].endswith("| not run | 85.91±0.57 | 55.50 (55.50) | 74.57±0.73 | not run | 49.12±2.99 |")
+
+
+def test_report_says_which_feddf_cells_ran_one_student_from_scratch(tmp_path) -> None:
+    import json
+
+    from hetfl.reproduce import fedmho as paper
+
+    cfg = paper.cell_config("mnist", "0.3", 0, "reduced", methods=("feddf",))
+    assert cfg["methods"]["feddf"]["prototypes"] == "all"  # the paper's protocol for every new cell
+    cell = tmp_path / cfg["name"]
+    cell.mkdir()
+    feddf = {"accuracy": 60.0, "best_accuracy": 61.0,
+             "models": {"feddf": 60.0, "feddf[lenet5]": 50.0, "feddf[vote]": 66.0}}
+    (cell / "summary.json").write_text(json.dumps({"config": cfg, "results": {"feddf": feddf}}))
+    text = paper.report(tmp_path, "reduced")
+    assert "ran before the fortieth session's protocol" not in text
+    assert "| FedDF, vote of the per-architecture models" in text and "66.00 (66.00)" in text
+    del cfg["methods"]["feddf"]["prototypes"]  # an archived cell of the earlier protocol
+    (cell / "summary.json").write_text(json.dumps({"config": cfg, "results": {"feddf": {"accuracy": 40.0,
+                                                                                       "best_accuracy": 41.0}}}))
+    text = paper.report(tmp_path, "reduced")
+    assert "FedDF: 1 of 1 cells ran before the fortieth session's protocol" in text
+    assert "| FedDF, vote" not in text
 
 
 def _ordering_line(root, setting: str, finals: list[dict[str, float]]) -> str:

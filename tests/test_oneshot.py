@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from hetfl.config import validate
@@ -14,7 +15,7 @@ from hetfl.data import make_partition
 from hetfl.data.synthetic import load_synthetic
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.datafree import BNStatsLoss, kl_div
-from hetfl.fl.training import TrainConfig, local_train
+from hetfl.fl.training import TrainConfig, local_train, predict_logits
 from hetfl.methods.fedhydra import (
     SATURATED_CE,
     guidance,
@@ -254,6 +255,38 @@ def test_data_free_methods_take_heterogeneous_clients_and_ot_refuses_them(tmp_pa
     with pytest.raises(ValueError, match="OT fusion aligns neurons of models of one architecture"):
         Simulator(prepare(validate(cfg)), tmp_path / "ot", None, quiet=True).run()
     assert not (tmp_path / "ot" / "fedavg" / "fedavg.safetensors").exists()  # failed before training
+
+
+def test_feddf_gives_each_client_architecture_a_student_from_its_fedavg_and_votes(tmp_path):
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["client"].update(model=["cnn2", "lenet5", "cnn2"], epochs=2)
+    # an Adam step of lr 1e-12 leaves each student where it started: its architecture's FedAvg
+    feddf = {"steps": 1, "lr": 1e-12, "eval_every": 1, "aux_size": 50, "prototypes": "all"}
+    cfg["methods"] = {"fedavg": {}, "feddf": feddf}
+    res = Simulator(prepare(validate(cfg)), tmp_path, tmp_path / "cache", quiet=True).run()["results"]
+    assert set(res["feddf"]["models"]) == {"feddf", "feddf[lenet5]", "feddf[vote]"}
+    assert res["feddf"]["init"] == "fedavg" and res["feddf"]["init[lenet5]"] == "fedavg"
+    for student, average in (("feddf", "fedavg"), ("feddf_lenet5", "fedavg_lenet5")):
+        got = load_file(str(tmp_path / "feddf" / f"{student}.safetensors"))
+        want = load_file(str(tmp_path / "fedavg" / f"{average}.safetensors"))
+        weights = [k for k in got if "running" not in k and "num_batches" not in k]  # BN stats see the aux batch
+        assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-6) for k in weights)
+    assert not (tmp_path / "feddf" / "feddf_vote.safetensors").exists()  # the vote's members are saved
+    test = prepare(validate(cfg)).splits.test
+    logits = []
+    for name, arch in (("feddf", "cnn2"), ("feddf_lenet5", "lenet5")):
+        model = build_model(arch, *test.shape[:2], test.num_classes)
+        model.load_state_dict(load_file(str(tmp_path / "feddf" / f"{name}.safetensors")))
+        logits.append(predict_logits(model, test, torch.device("cpu")))
+    vote = 100.0 * float((torch.stack(logits).mean(0).argmax(1) == test.y).float().mean())
+    assert res["feddf"]["models"]["feddf[vote]"] == pytest.approx(vote, abs=1e-4)  # mean of the students' logits
+    cfg["methods"] = {"feddf": {**feddf, "prototypes": "server", "init": "random"}}
+    one = Simulator(prepare(validate(cfg)), tmp_path / "one", tmp_path / "cache", quiet=True).run()["results"]
+    assert "models" not in one["feddf"] and one["feddf"]["init"] == "random"
+    for key, bad in (("init", "average"), ("prototypes", "each")):
+        cfg["methods"] = {"feddf": {**feddf, key: bad}}
+        with pytest.raises(ValueError, match=f"{key} must be"):
+            Simulator(prepare(validate(cfg)), tmp_path / key, tmp_path / "cache", quiet=True).run()
 
 
 def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch):

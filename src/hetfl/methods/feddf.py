@@ -1,11 +1,21 @@
 """FedDF (Lin et al., NeurIPS 2020), one-shot: ensemble distillation on unlabeled auxiliary data.
 
-The global model starts from FedAvg of the uploads when every client uses the server
-architecture (otherwise from scratch) and is distilled from the uniform average of the client
-logits, ``KL(softmax(P/T) || softmax(s/T)) T^2`` with T = 1, on images of an auxiliary dataset whose
+The global model starts from the FedAvg (by sample count) of the uploads of its architecture, from
+scratch where no client has it (``init: random`` always starts from scratch), and is distilled from
+the uniform average of all the client logits, ``KL(softmax(P/T) || softmax(s/T)) T^2`` with T = 1, on
+images of an auxiliary dataset whose
 labels are never used: Fashion-MNIST for MNIST, MNIST for Fashion-MNIST (FedHydra's setting),
 CIFAR-100 for CIFAR-10 and the reverse, CIFAR-10 for SVHN/CINIC-10; ``aux_dataset`` overrides.
 Auxiliary images are resized and converted to the task's shape when they differ.
+
+Model-heterogeneous clients (FedDF's Sec. 3 and FedMHO's baselines, Sec. 5.1): with ``prototypes:
+all`` every client architecture gets its own student, initialised from its group's FedAvg and
+distilled from the same ensemble of all clients; the outcome FedMHO reports is "the voting results
+of each model prototype", ``feddf[vote]`` = the uniform mean of the students' logits (as FedMHO's
+code votes for FedAvg). The headline stays the server architecture's student; the others are
+reported as ``feddf[<arch>]``. ``prototypes: server`` (the default) distils the server's alone.
+Runs before the fortieth session started a heterogeneous run's student from scratch whatever
+the clients' architectures (now ``init: random``).
 
 Defaults from the public code: Adam lr 1e-3 with cosine decay, batch 128. Budget: ``steps``
 server batches (the README uses 10,000; default 2,000 here). The public code early-stops on a
@@ -34,7 +44,7 @@ from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
 from hetfl.fl.training import predict_logits, prepare
-from hetfl.methods.common import client_models
+from hetfl.methods.common import client_models, group_by_arch
 
 AUXILIARY = {"mnist": "fmnist", "fmnist": "mnist", "emnist": "mnist", "cifar10": "cifar100",
              "cifar100": "cifar10", "svhn": "cifar10", "cinic10": "cifar100", "synthetic": "synthetic"}
@@ -70,7 +80,17 @@ def auxiliary_images(name: str, ctx: ServerContext, size: int) -> ImageDataset:
 class FedDF(OneShotMethod):
     name = "feddf"
     defaults: dict[str, Any] = {"steps": 2000, "batch_size": 128, "lr": 1e-3, "temperature": 1.0,
-                                "aux_dataset": None, "aux_size": 0, "eval_every": 100}
+                                "aux_dataset": None, "aux_size": 0, "eval_every": 100, "init": "fedavg",
+                                "prototypes": "server"}
+
+    def check(self, ctx: ServerContext) -> None:
+        p = self.params
+        if p["init"] not in ("fedavg", "random"):
+            raise ValueError(f"init must be fedavg (each student from its architecture's FedAvg) or random, "
+                             f"got {p['init']!r}")
+        if p["prototypes"] not in ("server", "all"):
+            raise ValueError(f"prototypes must be server (one student) or all (one per client architecture, "
+                             f"and their vote), got {p['prototypes']!r}")
 
     def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
         p = self.params
@@ -86,17 +106,41 @@ class FedDF(OneShotMethod):
             progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} images",
                                                  unit="batch"))
         ctx.record["teacher_seconds"] = round(time.perf_counter() - start, 1)
-        student = ctx.build(ctx.server_arch, purpose="feddf-student")
-        if all(a == ctx.server_arch for a in ctx.client_archs):
-            student.load_state_dict(weighted_average([m.state_dict() for m in models.values()],
-                                                     [uploads[c].meta["num_samples"] for c in models]))
-            ctx.record["init"] = "fedavg"
-        else:
-            ctx.record["init"] = "random (heterogeneous clients)"
+        groups = group_by_arch(uploads)
+        archs = [ctx.server_arch] + ([a for a in groups if a != ctx.server_arch] if p["prototypes"] == "all" else [])
+        students: dict[str, nn.Module] = {}
+        for arch in archs:
+            student = ctx.build(arch, purpose="feddf-student")
+            if p["init"] == "fedavg" and arch in groups:
+                ids = groups[arch]
+                student.load_state_dict(weighted_average([models[c].state_dict() for c in ids],
+                                                         [uploads[c].meta["num_samples"] for c in ids]))
+            ctx.record["init" if arch == ctx.server_arch else f"init[{arch}]"] = (
+                "fedavg" if p["init"] == "fedavg" and arch in groups else "random")
+            head = arch == ctx.server_arch  # the headline keeps the batch seed of single-student runs
+            seed = derive_seed(ctx.seed, "feddf-batches", *(() if head else (arch,)))
+            self._distil(student, aux, teacher_logits, ctx, track=head, seed=seed,
+                         desc="feddf: distillation" + ("" if head else f" [{arch}]"))
+            students[arch] = student
+        ctx.record["aux_dataset"] = aux_name
+        ctx.record["distill_seconds"] = round(time.perf_counter() - start - ctx.record["teacher_seconds"], 1)
+        out: dict[str, nn.Module] = {"feddf": students[ctx.server_arch]}
+        if len(students) > 1:
+            out.update({f"feddf[{arch}]": m for arch, m in students.items() if arch != ctx.server_arch})
+            vote = Ensemble(list(students.values()))
+            vote.save = False  # its members are saved under their own names
+            out["feddf[vote]"] = vote
+        return out
+
+    def _distil(self, student: nn.Module, aux: ImageDataset, teacher_logits: torch.Tensor, ctx: ServerContext,
+                track: bool, seed: int, desc: str) -> None:
+        """``steps`` Adam steps (cosine decay) of KL to the teacher logits on random auxiliary batches;
+        evaluated every ``eval_every`` steps (only the headline student counts towards best accuracy)."""
+        p = self.params
         opt = torch.optim.Adam(student.parameters(), lr=p["lr"])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p["steps"])
-        g = torch.Generator().manual_seed(derive_seed(ctx.seed, "feddf-batches"))
-        bar = ctx.progress(range(1, p["steps"] + 1), desc="feddf: distillation", unit="step")
+        g = torch.Generator().manual_seed(seed)
+        bar = ctx.progress(range(1, p["steps"] + 1), desc=desc, unit="step")
         for step in bar:
             idx = torch.randint(0, len(aux), (p["batch_size"],), generator=g)
             student.train()
@@ -106,10 +150,7 @@ class FedDF(OneShotMethod):
             loss.backward()
             opt.step()
             schedule.step()
-            if step % p["eval_every"] == 0 or step == p["steps"]:
+            if track and (step % p["eval_every"] == 0 or step == p["steps"]):
                 acc = ctx.evaluate(student)["accuracy"]
                 ctx.log(step, accuracy=acc, kd_loss=float(loss.detach()))
                 bar.set_postfix(acc=f"{acc:.2f}")
-        ctx.record["aux_dataset"] = aux_name
-        ctx.record["distill_seconds"] = round(time.perf_counter() - start - ctx.record["teacher_seconds"], 1)
-        return {"feddf": student}
