@@ -208,7 +208,8 @@ def feddf_protocol_note(cells: list[dict[str, Any]]) -> str:
         return ""
     return (f"FedDF: {len(old)} of {len(ran)} cells ran before the fortieth session's protocol, with one "
             "student of the server's architecture from scratch and no vote; the paper (Sec. 5.1) distils a "
-            "student per architecture, each from its FedAvg, and reports their vote.")
+            "student per architecture, each from its FedAvg, and reports their vote (measured at `reduced` "
+            "on retrained uploads: the fortieth session's notes).")
 
 
 def _all_cached(cell: dict[str, Any]) -> bool:
