@@ -15,8 +15,8 @@ each snapshot epoch, evaluates on the test split:
   full ``client.epochs`` too, averaged per architecture, and the vote is the uniform mean of the
   per-architecture averages' logits (as the authors' ``federated_average_ensemble.py`` computes it).
 
-Only running sums of the snapshot weights are kept (one model's worth per snapshot and weighting),
-so five VGG-9 clients at four snapshots hold about 2.3 GB. Evaluation is in the config's client
+Only running sums of the snapshot weights are kept (one float64 model per snapshot and weighting),
+so VGG-9 at four snapshots holds about 4.4 GB whatever the number of clients. Evaluation is in the config's client
 precision (bf16 autocast where the config trains in bf16).
 
     .venv/bin/python scripts/averaging_gap.py configs/fedmho-fmnist-vgg9-e10.yaml \\
