@@ -3,9 +3,9 @@
 The global model starts from the FedAvg (by sample count) of the uploads of its architecture, from
 scratch where no client has it (``init: random`` always starts from scratch), and is distilled from
 the uniform average of all the client logits, ``KL(softmax(P/T) || softmax(s/T)) T^2`` with T = 1, on
-images of an auxiliary dataset whose
-labels are never used: Fashion-MNIST for MNIST, MNIST for Fashion-MNIST (FedHydra's setting),
-CIFAR-100 for CIFAR-10 and the reverse, CIFAR-10 for SVHN/CINIC-10; ``aux_dataset`` overrides.
+images of an auxiliary dataset whose labels are never used: Fashion-MNIST for MNIST, MNIST for
+Fashion-MNIST (FedHydra's setting), CIFAR-100 for CIFAR-10 and the reverse, CIFAR-10 for
+SVHN/CINIC-10; ``aux_dataset`` overrides.
 Auxiliary images are resized and converted to the task's shape when they differ.
 
 Model-heterogeneous clients (FedDF's Sec. 3 and FedMHO's baselines, Sec. 5.1): with ``prototypes:
