@@ -101,3 +101,27 @@ def test_device_script_merges_a_worker_that_finished_as_the_deadline_stopped_its
         names = set(tar.getnames())
     assert "device-work/runs/1/tiny/fedavg/metrics.jsonl" in names
     assert not any(".parts" in n for n in names)
+
+
+def test_averaging_gap_with_one_client_of_the_architecture_averages_to_that_client(tmp_path):
+    """scripts/averaging_gap.py: one cnn2 client, so its ensemble and both averages are that client;
+    the vote with the lenet5 average is reported; a snapshot past client.epochs fails early."""
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "averaging_gap.py"
+    config = Path(__file__).resolve().parents[1] / "configs" / "fedmho-synthetic.yaml"
+    out = tmp_path / "gap.json"
+    args = [sys.executable, str(script), str(config), "--set", "client.model=[cnn2,lenet5,lenet5,lenet5]",
+            "--set", "client.epochs=2", "--snapshots", "1,2", "--vote", "--out", str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["clients"] == [0] and set(result["snapshots"]) == {"1", "2"}
+    for row in result["snapshots"].values():
+        (client,) = row["clients"]
+        assert row["ensemble"] == row["average_uniform"] == row["average_samples"] == client
+        assert 0 <= row["vote_uniform"] <= 100 and row["distance_from_init"][0] > 0
+    assert result["other_archs"]["lenet5"]["clients"] == [1, 2, 3]
+    bad = subprocess.run(args[:-2] + ["--snapshots", "3", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "snapshots must lie in 1..2" in bad.stderr
