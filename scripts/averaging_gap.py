@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hetfl.config import load_config
-from hetfl.engine.simulator import prepare, processor_name
+from hetfl.engine.simulator import Experiment, prepare, processor_name
 from hetfl.fl.aggregate import normalise, weighted_average
 from hetfl.fl.method import derive_seed
 from hetfl.fl.training import TrainConfig, accuracy_report, autocast, local_train
@@ -53,7 +53,7 @@ def test_logits(model: torch.nn.Module, x: torch.Tensor, device: torch.device, p
     return torch.cat(outs)
 
 
-def group_average_logits(arch: str, ids: list[int], exp, cfg: dict, train_cfg: TrainConfig,
+def group_average_logits(arch: str, ids: list[int], exp: Experiment, cfg: dict, train_cfg: TrainConfig,
                          weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train one architecture's clients as the cell does; test logits of their averages per weighting."""
     shape, nc, device = exp.splits.shape, exp.splits.num_classes, exp.device
