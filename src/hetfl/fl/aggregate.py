@@ -46,3 +46,12 @@ class Ensemble(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = torch.stack([m(x) for m in self.members])  # (k, N, C)
         return torch.tensordot(self.weights.to(logits.dtype), logits, dims=1)
+
+
+def vote(members: Sequence[nn.Module]) -> Ensemble:
+    """FedMHO's "voting results of each model prototype" (Sec. 5.1): the uniform mean of the logits of
+    one model per client architecture. Flagged ``save = False``: an engine saves its members (returned
+    under their own names), not this copy of them."""
+    ensemble = Ensemble(members)
+    ensemble.save = False
+    return ensemble

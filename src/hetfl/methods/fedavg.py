@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from hetfl.fl.aggregate import Ensemble, weighted_average
+from hetfl.fl.aggregate import vote, weighted_average
 from hetfl.fl.client import train_message
 from hetfl.fl.method import OneShotMethod, RoundMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
@@ -50,9 +50,7 @@ class FedAvgOneShot(OneShotMethod):
         out = {"fedavg": averaged[head]}
         if len(averaged) > 1:
             out.update({f"fedavg[{arch}]": m for arch, m in averaged.items() if arch != head})
-            vote = Ensemble([averaged[head], *(m for arch, m in averaged.items() if arch != head)])
-            vote.save = False  # its members are saved under their own names
-            out["fedavg[vote]"] = vote
+            out["fedavg[vote]"] = vote([averaged[head], *(m for arch, m in averaged.items() if arch != head)])
         return out
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetfl.data import ImageDataset, load_dataset
-from hetfl.fl.aggregate import Ensemble, weighted_average
+from hetfl.fl.aggregate import Ensemble, vote, weighted_average
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
@@ -111,12 +111,11 @@ class FedDF(OneShotMethod):
         students: dict[str, nn.Module] = {}
         for arch in archs:
             student = ctx.build(arch, purpose="feddf-student")
-            if p["init"] == "fedavg" and arch in groups:
-                ids = groups[arch]
-                student.load_state_dict(weighted_average([models[c].state_dict() for c in ids],
-                                                         [uploads[c].meta["num_samples"] for c in ids]))
-            ctx.record["init" if arch == ctx.server_arch else f"init[{arch}]"] = (
-                "fedavg" if p["init"] == "fedavg" and arch in groups else "random")
+            init = "fedavg" if p["init"] == "fedavg" and arch in groups else "random"
+            if init == "fedavg":
+                student.load_state_dict(weighted_average([models[c].state_dict() for c in groups[arch]],
+                                                         [uploads[c].meta["num_samples"] for c in groups[arch]]))
+            ctx.record["init" if arch == ctx.server_arch else f"init[{arch}]"] = init
             head = arch == ctx.server_arch  # the headline keeps the batch seed of single-student runs
             seed = derive_seed(ctx.seed, "feddf-batches", *(() if head else (arch,)))
             self._distil(student, aux, teacher_logits, ctx, track=head, seed=seed,
@@ -127,9 +126,7 @@ class FedDF(OneShotMethod):
         out: dict[str, nn.Module] = {"feddf": students[ctx.server_arch]}
         if len(students) > 1:
             out.update({f"feddf[{arch}]": m for arch, m in students.items() if arch != ctx.server_arch})
-            vote = Ensemble(list(students.values()))
-            vote.save = False  # its members are saved under their own names
-            out["feddf[vote]"] = vote
+            out["feddf[vote]"] = vote(list(students.values()))
         return out
 
     def _distil(self, student: nn.Module, aux: ImageDataset, teacher_logits: torch.Tensor, ctx: ServerContext,
