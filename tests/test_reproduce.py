@@ -992,6 +992,40 @@ def test_fedmho_local_epochs_at_the_vgg9_scale_pair_each_e50_cell_with_its_e10_c
     assert "| FMNIST | Dir(0.3) | 50 | 1 | - | - | - | 0 of 1 | 0 of 1 |" in text
 
 
+def test_fedmho_trials_section_names_each_trials_changed_settings_and_groups_trials_by_uploads(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    archive = tmp_path / "fedmho-runs"
+    (archive / mho.TRIALS).mkdir(parents=True)
+    assert mho.trials_report(archive) == ""  # no trials: no section
+
+    def write(trial: str, method: str, changes: dict, digest: str, curve: list, threads: int = 1) -> None:
+        cfg = mho.cell_config("fmnist", "0.5", 0, "vgg9-e10", methods=(method,))
+        cfg["methods"][method].update(changes)
+        result = {"accuracy": curve[-1], "best_accuracy": max(curve[1:]), "init_accuracy": curve[0],
+                  "curve": curve, "uploads_sha256": digest * 8, "server_seconds": 600.0}
+        summary = {"config": cfg, "results": {method: result, f"{method}[init]": {"accuracy": curve[0]}},
+                   "environment": {"threads": threads}}
+        (archive / mho.TRIALS / f"{cfg['name']}-{trial}.json").write_text(json.dumps(summary))
+
+    curve = [30.0, 50.0, 60.0, 62.0, 64.0, 66.0, 68.0]  # last five epochs: mean 64
+    write("md-base", "fedmho_md", {}, "bbbbbbbb", curve, threads=2)
+    write("md-rnd", "fedmho_md", {"init": "random"}, "bbbbbbbb", [10.0, *curve[1:]])
+    write("md-c40", "fedmho_md", {"cvae_epochs": 40}, "aaaaaaaa", curve)
+    write("base", "fedmho", {}, "bbbbbbbb", curve)
+    (archive / mho.TRIALS / "notes.txt").write_text("not a summary")
+    rows = mho.trial_rows(archive)
+    assert [(r["trial"], r["method"], r["changed"]) for r in rows] == [
+        ("md-c40", "fedmho_md", {"cvae_epochs": 40}),  # other uploads first (sorted by digest)
+        ("base", "fedmho", {}), ("md-base", "fedmho_md", {}), ("md-rnd", "fedmho_md", {"init": "random"})]
+    assert rows[2]["last5"] == pytest.approx(64.0) and rows[2]["minutes"] == pytest.approx(10.0)
+    text = mho.trials_report(archive)
+    assert "| FMNIST Dir(0.5) s0 `vgg9-e10` | md-base | FedMHO-MD | none | bbbbbbbb | 2 | 30.00 | 68.00 | 68.00 | " \
+           "64.00 | 10.0 |" in text
+    assert "| md-rnd | FedMHO-MD | `init: \"random\"` | bbbbbbbb | 1 | 10.00 |" in text
+    assert "[init]" not in text
+
+
 def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figure(tmp_path):
     folder = tmp_path / "fedhydra-runs" / paper.ONE_CACHE
     folder.mkdir(parents=True)

@@ -125,3 +125,19 @@ def test_averaging_gap_with_one_client_of_the_architecture_averages_to_that_clie
     bad = subprocess.run(args[:-2] + ["--snapshots", "3", "--out", str(out)], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode != 0 and "snapshots must lie in 1..2" in bad.stderr
+
+    # the same clients trained in two processes, then evaluated together: the same result
+    snaps, split = tmp_path / "snaps", tmp_path / "split.json"
+    base = args[:-2] + ["--snap-dir", str(snaps)]
+    early = subprocess.run(base + ["--evaluate-only", "--out", str(split)], capture_output=True, text=True, timeout=300)
+    assert early.returncode != 0 and "no snapshot" in early.stderr and "--clients" in early.stderr
+    for ids in ("0,2", "1,3"):
+        done = subprocess.run(base + ["--clients", ids], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert sorted(f.name for f in snaps.iterdir())[:3] == ["cnn2-client0-e1.safetensors", "cnn2-client0-e2.safetensors",
+                                                           "lenet5-client1-e2.safetensors"]
+    done = subprocess.run(base + ["--evaluate-only", "--out", str(split)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    machine = ("minutes", "processor", "threads")
+    together = {k: v for k, v in json.loads(split.read_text()).items() if k not in machine}
+    assert together == {k: v for k, v in result.items() if k not in machine}

@@ -802,12 +802,76 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, list[
     return out
 
 
+TRIALS = "vgg9-trials"  # archive subfolder: <cell name>-<trial>.json, server trials on a cell's cached uploads
+_CELL_NAME = re.compile(rf"{PREFIX}-(\w+)-a([\d.]+)-s(\d+)-(.+)")
+
+
+def trial_rows(archive: Path) -> list[dict[str, Any]]:
+    """Server trials on one cell's cached uploads: ``archive/vgg9-trials/<cell name>-<trial>.json``, each
+    the summary of ``hetfl run`` on a main cell's config with ``--set`` overrides of its methods. One row
+    per file and method (``[...]`` models left out): dataset, setting, seed, budget, trial, method, the
+    method's settings that differ from the budget's (:func:`method_params`), the uploads' digest, torch
+    threads, w_0, final and best %, the mean of the last five epochs' % and the server's minutes. Rows
+    are sorted by cell, uploads, method and trial, so the trials on the same bytes stand together."""
+    rows: list[dict[str, Any]] = []
+    for f in sorted((archive / TRIALS).glob(f"{PREFIX}-*.json")):
+        summary = json.loads(f.read_text())
+        cfg = summary["config"]
+        if (m := _CELL_NAME.fullmatch(cfg["name"])) is None:
+            continue
+        dataset, setting, seed, budget = m[1], m[2], int(m[3]), m[4]
+        defaults = method_params(budget) if budget in BUDGETS else {}
+        trial = f.stem.removeprefix(cfg["name"] + "-")
+        for method, r in summary["results"].items():
+            if "[" in method:
+                continue
+            given, base = cfg["methods"].get(method, {}), defaults.get(method, {})
+            curve = [x for x in r.get("curve") or [] if x is not None]
+            rows.append({
+                "dataset": dataset, "setting": setting, "seed": seed, "budget": budget, "trial": trial,
+                "method": method, "changed": {k: v for k, v in given.items() if base.get(k) != v},
+                "uploads": (r.get("uploads_sha256") or "")[:8],
+                "threads": summary.get("environment", {}).get("threads"),
+                "w0": r.get("init_accuracy"), "final": r["accuracy"], "best": r.get("best_accuracy"),
+                "last5": statistics.fmean(curve[-5:]) if len(curve) > 5 else None,
+                "minutes": r["server_seconds"] / 60 if r.get("server_seconds") is not None else None})
+    order = {a: i for i, a in enumerate(SETTINGS)}
+    return sorted(rows, key=lambda r: (r["dataset"], order.get(r["setting"], len(order)), r["seed"], r["budget"],
+                                       r["uploads"], r["method"], r["trial"]))
+
+
+def trials_report(archive: Path) -> str:
+    """Markdown for :func:`trial_rows`; empty without trials."""
+    rows = trial_rows(archive)
+    if not rows:
+        return ""
+    lines = ["### Server trials on one cell's uploads", "",
+             "`hetfl run` on a Table 4 cell's config with one method's settings changed (`--set`), every trial of "
+             "a cell on the same cached client uploads (column \"uploads\": the first digits of their digest) "
+             "unless a changed setting retrains some clients (`cvae_epochs`). \"changed\" = the method's settings "
+             "that differ from the budget's (none = the cell as configured, run again on these uploads). "
+             "w_0 = the server's initial model; final and best %; \"last 5\" = mean % of the last five server "
+             f"epochs. Summaries in `{archive.name}/{TRIALS}/`; what each trial asks is in the notes.", "",
+             "| cell | trial | method | changed | uploads | threads | w_0 | final | best | last 5 | server min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        changed = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in r["changed"].items()) or "none"
+        minutes = "-" if r["minutes"] is None else f"{r['minutes']:.1f}"
+        lines.append(f"| {r['dataset'].upper()} Dir({r['setting']}) s{r['seed']} `{r['budget']}` | {r['trial']} | "
+                     f"{LABELS.get(r['method'], r['method'])} | {changed} | {r['uploads'] or '-'} | "
+                     f"{r['threads'] if r['threads'] is not None else '-'} | {_pct(r['w0'])} | {_pct(r['final'])} | "
+                     f"{_pct(r['best'])} | {_pct(r['last5'])} | {minutes} |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     archive = common.archive_folder(path)
     standing = standing_report(root, archive)
     if standing:
         standing += ("\n\n" + kd_cost_report(root, path, archive) + "\n" + lead_report(root, path, archive)
                      + "\n" + epochs_report(archive))
+        if trials := trials_report(archive):
+            standing += "\n" + trials
     bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
               common.partial_report(archive, LABELS)]
     common.write_results(path, HEADER, bodies, notes)
