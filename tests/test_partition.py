@@ -38,6 +38,8 @@ COVERING_SPECS = [
     ({"kind": "classes", "per_client": 2}, 13),
     ({"kind": "classes", "per_client": 3}, 20),
     ({"kind": "2c/c"}, 5),
+    ({"kind": "feddf_dirichlet", "alpha": 0.5}, 10),
+    ({"kind": "feddf_dirichlet", "alpha": 0.1}, 20),
 ]
 
 
@@ -49,6 +51,54 @@ def _id(case: tuple[dict, int]) -> str:
 
 def class_shares(p: Partition) -> np.ndarray:
     return p.counts / p.counts.sum(axis=1, keepdims=True)
+
+
+def feddf_reference(labels: np.ndarray, m: int, alpha: float, seed: int) -> list[list[int]]:
+    """FedDF's partition written out with Python lists, one sample at a time (slow reference)."""
+    rs = np.random.RandomState(seed)
+    pairs = np.array([[i, int(y)] for i, y in enumerate(labels)])
+    rs.shuffle(pairs)
+    pairs = pairs.tolist()
+    n, c, order, start, left = len(pairs), int(max(labels)) + 1, [], 0, m
+    while left > 0:
+        k = min(10, left)
+        stop = n if left <= 10 else start + int(10 / m * n)
+        chunk = pairs[start:stop]
+        while True:
+            workers: list[list[int]] = [[] for _ in range(k)]
+            for cls in range(c):
+                members = [i for i, y in chunk if y == cls]
+                p = [q if len(workers[j]) < len(chunk) / k else 0.0 for j, q in enumerate(rs.dirichlet([alpha] * k))]
+                bounds, acc = [0], 0.0
+                for q in p[:-1]:
+                    acc += q / sum(p)
+                    bounds.append(int(acc * len(members)))
+                bounds.append(len(members))
+                for j in range(k):
+                    workers[j] += members[bounds[j]:bounds[j + 1]]
+            if min(len(w) for w in workers) >= int(0.5 * len(chunk) / k):
+                break
+        order += [i for w in workers for i in w]
+        start, left = stop, left - 10
+    size = int(1.0 / m * n)
+    return [sorted(order[i * size:(i + 1) * size]) for i in range(m)]
+
+
+@pytest.mark.parametrize("m, n", [(10, 2000), (20, 2000), (10, 1999), (4, 1000)])
+def test_feddf_dirichlet_equals_a_slow_reference_and_gives_equal_slices(m, n):
+    labels = balanced_labels(per_class=n // C + 1)[:n]
+    p = make_partition(labels, m, {"kind": "feddf_dirichlet", "alpha": 0.3}, seed=2023)
+    expected = feddf_reference(labels, m, 0.3, seed=2023)
+    assert [idx.tolist() for idx in p.indices] == expected
+    assert set(p.sizes.tolist()) == {n // m}  # equal clients; the remainder (n mod m) is left out
+    assert len(np.unique(np.concatenate(p.indices))) == m * (n // m)
+    # skewed: at alpha 0.3 some client lacks some class although every client has n/m samples
+    assert (p.counts == 0).any()
+
+
+def test_feddf_dirichlet_rejects_dirichlet_only_keys():
+    with pytest.raises(PartitionError, match="does not take \\['min_size'\\]"):
+        make_partition(LABELS["balanced"], 10, {"kind": "feddf_dirichlet", "alpha": 0.5, "min_size": "half"}, seed=0)
 
 
 # ------------------------------------------------------------------------------ coverage
@@ -289,6 +339,7 @@ SEEDED_SPECS = [
     ({"kind": "dirichlet", "alpha": 0.5, "min_size": "half"}, 10),
     ({"kind": "quantity", "alpha": 0.5}, 10),
     ({"kind": "classes", "per_client": 2}, 10),
+    ({"kind": "feddf_dirichlet", "alpha": 0.5}, 10),
 ]
 
 
@@ -315,14 +366,14 @@ def test_partition_does_not_touch_global_numpy_rng():
 # -------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("kind", ["dirichlet", "quantity"])
+@pytest.mark.parametrize("kind", ["dirichlet", "quantity", "feddf_dirichlet"])
 @pytest.mark.parametrize("alpha", [0, -1, 0.0, float("nan"), float("inf")])
 def test_non_positive_or_non_finite_alpha_raises(kind, alpha):
     with pytest.raises(PartitionError, match="'alpha' must be a number > 0"):
         make_partition(LABELS["balanced"], 10, {"kind": kind, "alpha": alpha}, seed=0)
 
 
-@pytest.mark.parametrize("kind", ["dirichlet", "quantity"])
+@pytest.mark.parametrize("kind", ["dirichlet", "quantity", "feddf_dirichlet"])
 def test_missing_alpha_raises(kind):
     with pytest.raises(PartitionError, match=f"partition kind '{kind}' needs 'alpha'"):
         make_partition(LABELS["balanced"], 10, {"kind": kind}, seed=0)

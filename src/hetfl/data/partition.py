@@ -23,6 +23,19 @@ Kinds (``spec["kind"]``):
 ``quantity`` (``alpha``, ``min_size=10``)
     Size skew with balanced labels: client shares ``q ~ Dir(alpha * 1_m)``, resampled until every
     client has ``min_size`` samples; a random permutation is cut by those shares.
+``feddf_dirichlet`` (``alpha``)
+    The partition of FedDF's public code (``build_non_iid_by_dirichlet`` and ``DataPartitioner``),
+    which FedMHO's and FedHM's code bases inherit, step by step on numpy's legacy
+    ``RandomState(seed)`` as that code draws from ``conf.random_state``: shuffle the (index, label)
+    pairs; cut them into chunks of 10 "workers"; in each chunk split every class by a fresh
+    ``Dir(alpha * 1)`` draw with the ``balance`` rule, all classes redrawn until every worker holds at
+    least half the chunk's average; concatenate the workers' lists (each ordered by class) and give
+    client ``i`` the ``i``-th of ``m`` **equal slices** ``int(N / m)`` long. So the clients are not the
+    Dirichlet workers: every client has the same size and a slice can straddle two workers.
+    With fewer than 10 clients there is one chunk of ``m`` workers (that code requires 10). The
+    same seed gives the same partition as that code (e.g. FedMHO's README ``--manual_seed 2023``)
+    if its training set is in the same order and ``conf.random_state`` has not been drawn from
+    before (both read, not run: ``docs/results/fedmho-notes.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-PARTITION_KINDS = ("iid", "dirichlet", "classes", "2c/c", "quantity")
+PARTITION_KINDS = ("iid", "dirichlet", "classes", "2c/c", "quantity", "feddf_dirichlet")
 MAX_RESAMPLES = 10_000
 
 
@@ -178,12 +191,58 @@ def _quantity(labels: np.ndarray, m: int, spec: dict, rng: np.random.Generator) 
     )
 
 
+FEDDF_GROUP = 10  # FedDF's ``n_auxi_workers``: Dirichlet workers per chunk of the shuffled data
+
+
+def _feddf_dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, seed: int) -> list:
+    alpha = _positive(spec, "alpha")
+    n = len(labels)
+    rs = np.random.RandomState(seed)
+    pairs = np.stack([np.arange(n), labels], axis=1)
+    rs.shuffle(pairs)  # rows
+    chunks = -(-m // FEDDF_GROUP)
+    workers: list[np.ndarray] = []
+    start = 0
+    for i in range(chunks):
+        stop = n if i == chunks - 1 else start + int(FEDDF_GROUP / m * n)
+        count = FEDDF_GROUP if i < chunks - 1 else m - FEDDF_GROUP * (chunks - 1)
+        workers += _feddf_chunk(pairs[start:stop], count, c, alpha, rs)
+        start = stop
+    order = np.concatenate(workers)
+    size = int(1.0 / m * n)
+    return [order[i * size:(i + 1) * size] for i in range(m)]
+
+
+def _feddf_chunk(pairs: np.ndarray, k: int, c: int, alpha: float, rs: np.random.RandomState) -> list:
+    """One chunk's ``k`` worker lists, each the concatenation of its share of class 0, 1, ..."""
+    size = len(pairs)
+    floor = int(0.5 * size / k)
+    members = [pairs[pairs[:, 1] == cls, 0] for cls in range(c)]
+    for _ in range(MAX_RESAMPLES):
+        lists: list[list[np.ndarray]] = [[] for _ in range(k)]
+        sizes = np.zeros(k, dtype=np.int64)
+        for idx in members:
+            p = rs.dirichlet(np.repeat(alpha, k))
+            p = p * (sizes < size / k)  # never all zero: this class is not yet given out
+            cuts = (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1]
+            for j, piece in enumerate(np.split(idx, cuts)):
+                lists[j].append(piece)
+                sizes[j] += len(piece)
+        if sizes.min() >= floor:
+            return [np.concatenate(parts) for parts in lists]
+    raise PartitionError(
+        f"feddf_dirichlet(alpha={alpha}) could not give every one of {k} workers >= {floor} samples "
+        f"in {MAX_RESAMPLES} draws; raise alpha"
+    )
+
+
 ALLOWED_KEYS = {
     "iid": {"kind"},
     "dirichlet": {"kind", "alpha", "min_size", "balance"},
     "classes": {"kind", "per_client"},
     "2c/c": {"kind"},
     "quantity": {"kind", "alpha", "min_size"},
+    "feddf_dirichlet": {"kind", "alpha"},
 }
 
 
@@ -196,6 +255,8 @@ def validate_spec(spec: dict[str, Any]) -> None:
         raise PartitionError(
             f"partition '{kind}' does not take {sorted(extra)}; valid keys: {sorted(ALLOWED_KEYS[kind])}"
         )
+    if kind == "feddf_dirichlet":
+        _positive(spec, "alpha")
     if kind in ("dirichlet", "quantity"):
         _positive(spec, "alpha")
         raw = spec.get("min_size", 10)
@@ -224,6 +285,8 @@ def make_partition(
         parts = _classes(labels, num_clients, c, spec, rng)
     elif kind == "2c/c":
         parts = _two_per_client(labels, num_clients, c)
+    elif kind == "feddf_dirichlet":
+        parts = _feddf_dirichlet(labels, num_clients, c, spec, seed)
     else:
         parts = _quantity(labels, num_clients, spec, rng)
     indices = tuple(np.sort(np.asarray(p, dtype=np.int64)) for p in parts)

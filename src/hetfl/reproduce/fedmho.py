@@ -16,7 +16,9 @@ Budgets (:data:`BUDGETS`): ``paper``; ``reduced`` (cnn2 classifiers, a few hours
 ``vgg9-e10`` (``reduced`` with the paper's VGG-9 classifiers and server, 10 local epochs in bf16;
 about 47 min per MNIST cell for the FedMHO family on 2 avx512_bf16 cores, 7-8 min for all eight
 methods on a GPU); ``vgg9-e50`` (``vgg9-e10`` with 50 local epochs for the classifiers, the plateau of
-the paper's Fig. 7; a GPU budget).
+the paper's Fig. 7; a GPU budget); ``reduced-feddf-partition`` and ``vgg9-e10-feddf-partition``
+(the same on the partition of the authors' code, ``feddf_dirichlet``: equal client slices, which
+``paper`` uses too).
 """
 
 from __future__ import annotations
@@ -98,6 +100,22 @@ BUDGETS: dict[str, dict[str, Any]] = {
 # shows FedMHO's accuracy levelling off. The two budgets differ in the classifiers' training alone
 # (does its length explain Fashion's gap to the paper?). About five times vgg9-e10's client time.
 BUDGETS["vgg9-e50"] = {**BUDGETS["vgg9-e10"], "client_epochs": 50}
+# The partition of the authors' code (FedDF's ``DataPartitioner``, :func:`hetfl.data.partition`
+# ``feddf_dirichlet``): the same Dirichlet rule, but the clients are equal slices of the workers'
+# concatenated lists, seeded as that code's ``--manual_seed``. Read in the forty-first session; the
+# earlier budgets keep ``dirichlet`` (``min_size: half``), whose clients are the Dirichlet workers.
+PAPER_PARTITION = "feddf_dirichlet"
+BUDGETS["paper"]["partition"] = PAPER_PARTITION
+BUDGETS["reduced-feddf-partition"] = {**BUDGETS["reduced"], "partition": PAPER_PARTITION}
+BUDGETS["vgg9-e10-feddf-partition"] = {**BUDGETS["vgg9-e10"], "partition": PAPER_PARTITION}
+
+
+def partition_spec(budget: str, setting: str) -> dict[str, Any]:
+    """Dir(alpha) as the budget's partition (``dirichlet`` with FedDF's half-average floor unless
+    the budget names ``feddf_dirichlet``)."""
+    if BUDGETS[budget].get("partition", "dirichlet") == PAPER_PARTITION:
+        return {"kind": PAPER_PARTITION, "alpha": float(setting)}
+    return {"kind": "dirichlet", "alpha": float(setting), "min_size": "half"}
 
 
 def method_params(budget: str) -> dict[str, dict[str, Any]]:
@@ -131,7 +149,7 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
     suffix = "" if variant == "main" else f"-{variant}"
     return {
         "name": f"{PREFIX}-{dataset}-a{setting}{suffix}-s{seed}-{budget}", "seed": seed, "dataset": dataset,
-        "partition": {"kind": "dirichlet", "alpha": float(setting), "min_size": "half"}, "clients": 10,
+        "partition": partition_spec(budget, setting), "clients": 10,
         "client": {"model": [b["large"]] * 5 + [b["small"]] * 5, "epochs": b["client_epochs"], "batch_size": 64,
                    "lr": 0.005, "momentum": 0.9,
                    **({"precision": b["client_precision"]} if "client_precision" in b else {})},
