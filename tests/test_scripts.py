@@ -141,3 +141,25 @@ def test_averaging_gap_with_one_client_of_the_architecture_averages_to_that_clie
     machine = ("minutes", "processor", "threads")
     together = {k: v for k, v in json.loads(split.read_text()).items() if k not in machine}
     assert together == {k: v for k, v in result.items() if k not in machine}
+
+
+def test_class_ownership_counts_owners_falling_with_alpha_and_checks_the_group(tmp_path):
+    """scripts/class_ownership.py on the synthetic dataset: at Dir(100) no client of the group owns
+    a class and the largest share is near 1/5; at Dir(0.1) shares are far larger; a bad group fails."""
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "class_ownership.py"
+    out = tmp_path / "own.json"
+    args = [sys.executable, str(script), "--datasets", "synthetic", "--alphas", "0.1,100", "--seeds", "3",
+            "--show", "0,7", "--out", str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = {(r["alpha"], r["kind"]): r for r in json.loads(out.read_text())["rows"]["synthetic"]}
+    assert set(rows) == {(a, k) for a in (0.1, 100.0) for k in ("dirichlet", "feddf_dirichlet")}
+    for kind in ("dirichlet", "feddf_dirichlet"):
+        flat, skewed = rows[(100.0, kind)], rows[(0.1, kind)]
+        assert flat["owned_mean"] == 0 and flat["seeds_without"] == 3 and abs(flat["top_share_mean"] - 0.2) < 0.1
+        assert skewed["top_share_mean"] > 0.5 and set(skewed["shown"]) == {"0", "7"}
+    bad = subprocess.run(args[:2] + ["--datasets", "synthetic", "--group", "0,10"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--group must list client ids in 0..9" in bad.stderr
