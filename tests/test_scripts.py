@@ -163,3 +163,33 @@ def test_class_ownership_counts_owners_falling_with_alpha_and_checks_the_group(t
     bad = subprocess.run(args[:2] + ["--datasets", "synthetic", "--group", "0,10"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "--group must list client ids in 0..9" in bad.stderr
+
+
+def test_device_averaging_script_trains_one_process_per_client_and_evaluates_them_together(tmp_path):
+    """scripts/device-averaging.sh on the CPU: four tiny clients in four processes, then one
+    evaluation of both snapshots with the vote; the logs are packed."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "scripts" / "device-averaging.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    done = subprocess.run(["bash", str(script)], cwd=root, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k not in ("CONFIG", "CLIENTS")})
+    assert done.returncode != 0 and "CONFIG (the config whose clients train) is required" in done.stderr
+    env = {**os.environ, "CONFIG": "configs/fedmho-synthetic.yaml", "CLIENTS": "0 1 2 3", "SNAPS": "1,2",
+           "SETS": "client.model=[cnn2,cnn2,lenet5,lenet5] client.epochs=2", "DEV": "cpu", "DL": "280",
+           "EVAL_S": "60", "PY": sys.executable, "OUT": str(tmp_path / "out"), "SNAP_DIR": str(tmp_path / "snaps")}
+    work = tmp_path / "tree"
+    (work / "scripts").mkdir(parents=True)
+    for name in ("device-averaging.sh", "averaging_gap.py"):
+        (work / "scripts" / name).write_text((root / "scripts" / name).read_text())
+    (work / "configs").mkdir()
+    (work / "configs" / "fedmho-synthetic.yaml").write_text((root / "configs" / "fedmho-synthetic.yaml").read_text())
+    done = subprocess.run(["bash", "scripts/device-averaging.sh"], cwd=work, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "out" / "averaging.json").read_text())
+    assert result["clients"] == [0, 1] and set(result["snapshots"]) == {"1", "2"}
+    assert "vote_uniform" in result["snapshots"]["2"] and result["other_archs"]["lenet5"]["clients"] == [2, 3]
+    with tarfile.open(tmp_path / "out" / "logs.tgz") as tar:
+        assert {"device-work/logs/client0.log", "device-work/logs/evaluate.log"} <= set(tar.getnames())
