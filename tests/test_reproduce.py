@@ -992,6 +992,21 @@ def test_fedmho_local_epochs_at_the_vgg9_scale_pair_each_e50_cell_with_its_e10_c
     assert "| FMNIST | Dir(0.3) | 50 | 1 | - | - | - | 0 of 1 | 0 of 1 |" in text
 
 
+def test_fedmho_budgets_on_the_authors_partition_use_feddf_dirichlet_and_the_others_keep_dirichlet():
+    from hetfl.reproduce import fedmho as mho
+
+    authors = {"kind": "feddf_dirichlet", "alpha": 0.3}
+    for budget in ("paper", "reduced-feddf-partition", "vgg9-e10-feddf-partition"):
+        cfg = mho.cell_config("fmnist", "0.3", 2023, budget)
+        assert cfg["partition"] == authors and cfg["name"] == f"fedmho-fmnist-a0.3-s2023-{budget}"
+    for budget in ("reduced", "vgg9-e10", "vgg9-e50"):
+        assert mho.cell_config("fmnist", "0.3", 0, budget)["partition"] == {"kind": "dirichlet", "alpha": 0.3,
+                                                                             "min_size": "half"}
+    # the new budgets differ from theirs in the partition alone
+    new, old = mho.BUDGETS["reduced-feddf-partition"], mho.BUDGETS["reduced"]
+    assert {**new, "partition": None} == {**old, "partition": None}
+
+
 def test_fedmho_trials_section_names_each_trials_changed_settings_and_groups_trials_by_uploads(tmp_path):
     from hetfl.reproduce import fedmho as mho
 

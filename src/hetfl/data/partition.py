@@ -255,10 +255,9 @@ def validate_spec(spec: dict[str, Any]) -> None:
         raise PartitionError(
             f"partition '{kind}' does not take {sorted(extra)}; valid keys: {sorted(ALLOWED_KEYS[kind])}"
         )
-    if kind == "feddf_dirichlet":
+    if kind in ("dirichlet", "quantity", "feddf_dirichlet"):
         _positive(spec, "alpha")
     if kind in ("dirichlet", "quantity"):
-        _positive(spec, "alpha")
         raw = spec.get("min_size", 10)
         if raw != "half" and not (_is_int(raw) and raw >= 0):
             raise PartitionError(f"min_size must be a non-negative integer or 'half', got {raw!r}")
