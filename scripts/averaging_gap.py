@@ -104,11 +104,12 @@ def train_clients(arch: str, ids: list[int], snaps: list[int], exp: Experiment, 
 
 
 def evaluate_clients(arch: str, ids: list[int], epoch: int, exp: Experiment, precision: str,
-                     weights: dict[str, torch.Tensor], folder: Path) -> Snapshot:
-    """Each saved client of one snapshot epoch on the test split, and the weighted sums of their parameters."""
-    init = shared_init(arch, exp)
+                     weights: dict[str, torch.Tensor], folder: Path, init: dict[str, torch.Tensor]) -> Snapshot:
+    """Each saved client of one snapshot epoch on the test split, and the weighted sums of their
+    parameters; ``init`` is the architecture's :func:`shared_init` (distances are measured from it)."""
     init_flat = torch.cat([v.float().flatten() for v in init.values()])
     shape, nc = exp.splits.shape, exp.splits.num_classes
+    model = build_model(arch, shape[0], shape[1], nc)
     snap = Snapshot()
     for j, c in enumerate(ids):
         path = snapshot_path(folder, arch, c, epoch)
@@ -120,9 +121,7 @@ def evaluate_clients(arch: str, ids: list[int], epoch: int, exp: Experiment, pre
             sums = snap.sums.setdefault(w, {k: torch.zeros_like(v, dtype=torch.float64) for k, v in state.items()})
             for k, v in state.items():
                 sums[k] += float(wt[j]) * v.double()
-        model = build_model(arch, shape[0], shape[1], nc)
         model.load_state_dict(state)
-        model.to(exp.device)
         with autocast(exp.device, precision):
             snap.logits.append(predict_logits(model, exp.splits.test, exp.device).cpu())
         snap.clients.append(accuracy(snap.logits[-1], exp))
@@ -213,14 +212,14 @@ def evaluate(arch: str, groups: dict[str, list[int]], wanted: dict[str, list[int
     for other in (a for a in wanted if a != arch):  # their full-length averages vote
         ids = groups[other]
         final = evaluate_clients(other, ids, train_cfg.epochs, exp, train_cfg.precision,
-                                 client_weights(exp, ids), folder)
+                                 client_weights(exp, ids), folder, shared_init(other, exp))
         logits = {w: average_logits(other, s, exp, train_cfg.precision) for w, s in final.sums.items()}
         others[other] = {"clients": ids, "client_accuracy": final.clients, "logits": logits,
                          **{f"average_{w}": accuracy(v, exp) for w, v in logits.items()}}
-    ids = groups[arch]
+    ids, init, weights = groups[arch], shared_init(arch, exp), client_weights(exp, groups[arch])
     rows = {}
     for e in snaps:
-        snap = evaluate_clients(arch, ids, e, exp, train_cfg.precision, client_weights(exp, ids), folder)
+        snap = evaluate_clients(arch, ids, e, exp, train_cfg.precision, weights, folder, init)
         row = {"clients": snap.clients, "distance_from_init": snap.distance_from_init,
                "ensemble": accuracy(torch.stack(snap.logits).mean(0), exp)}
         for w, sums in snap.sums.items():

@@ -25,9 +25,10 @@ import numpy as np
 
 from hetfl.data import load_dataset
 from hetfl.data.partition import make_partition
+from hetfl.reproduce.fedmho import partition_spec
 
-KINDS = {"dirichlet": lambda a: {"kind": "dirichlet", "alpha": a, "min_size": "half"},  # FedMHO budgets so far
-         "feddf_dirichlet": lambda a: {"kind": "feddf_dirichlet", "alpha": a}}  # the authors' code
+# partition kind -> a FedMHO budget that uses it (its Dir(alpha) spec is the one compared)
+KINDS = {"dirichlet": "reduced", "feddf_dirichlet": "reduced-feddf-partition"}
 
 
 def ownership(counts: np.ndarray, group: list[int], owned: float, present: float) -> tuple[int, float]:
@@ -44,8 +45,9 @@ def table(labels: np.ndarray, clients: int, alphas: list[float], seeds: int, sho
           group: list[int], owned: float, present: float) -> list[dict[str, Any]]:
     rows = []
     for alpha in alphas:
-        for kind, spec in KINDS.items():
-            stats = {s: ownership(make_partition(labels, clients, spec(alpha), s).counts, group, owned, present)
+        for kind, budget in KINDS.items():
+            spec = partition_spec(budget, f"{alpha:g}")
+            stats = {s: ownership(make_partition(labels, clients, spec, s).counts, group, owned, present)
                      for s in sorted(set(range(seeds)) | set(show))}
             sample = [stats[s] for s in range(seeds)]
             rows.append({"alpha": alpha, "kind": kind,

@@ -76,7 +76,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # server at the per-dataset values (null = the method's per-dataset default); Fig. 6: 100 epochs.
     "paper": {"large": "vgg9", "small": "lenet5", "server": "vgg9", "client_epochs": 200, "cvae": {},
               "fedcvae_cvae": ["cvae_large"] * 5 + ["cvae_small"] * 5, "gen_epochs": 200, "generator_steps": 30,
-              "gen_batch": 64, "feddf_steps": 10000, "curve_epochs": 100},
+              "gen_batch": 64, "feddf_steps": 10000, "curve_epochs": 100, "partition": "feddf_dirichlet"},
     # Fits one cell into ~40 minutes on 2 shared CPU cores (docs/results/fedmho.md): cnn2 instead of
     # VGG-9, 5 local epochs, CVAE-small everywhere with 10 local epochs (paper: 30) at the paper's
     # Adam lr, the paper's server settings.
@@ -104,8 +104,7 @@ BUDGETS["vgg9-e50"] = {**BUDGETS["vgg9-e10"], "client_epochs": 50}
 # ``feddf_dirichlet``): the same Dirichlet rule, but the clients are equal slices of the workers'
 # concatenated lists, seeded as that code's ``--manual_seed``. Read in the forty-first session; the
 # earlier budgets keep ``dirichlet`` (``min_size: half``), whose clients are the Dirichlet workers.
-PAPER_PARTITION = "feddf_dirichlet"
-BUDGETS["paper"]["partition"] = PAPER_PARTITION
+PAPER_PARTITION = BUDGETS["paper"]["partition"]
 BUDGETS["reduced-feddf-partition"] = {**BUDGETS["reduced"], "partition": PAPER_PARTITION}
 BUDGETS["vgg9-e10-feddf-partition"] = {**BUDGETS["vgg9-e10"], "partition": PAPER_PARTITION}
 
