@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -417,10 +418,24 @@ def test_parallel_cells_report_a_failed_worker_with_its_log(tmp_path, tiny_confi
     from hetfl.reproduce.common import run_cells_parallel
 
     cfg = validate({**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "feddf": {"aux_dataset": "nosuch"}}})
-    failed = run_cells_parallel([cfg], tmp_path, tmp_path / "cache", None, jobs=2, threads=1, say=lambda _: None)
+    failed = run_cells_parallel([cfg], tmp_path, tmp_path / "cache", None, jobs=2, say=lambda _: None)
     assert len(failed) == 1 and failed[0].startswith("tiny: feddf (") and failed[0].endswith("feddf.log)")
+    for job in ("clients", "feddf"):  # each ran alone, so each had every core
+        spec = json.loads((tmp_path / ".parts" / "tiny" / f"{job}.json").read_text())
+        assert spec["threads"] == (os.cpu_count() or 1), job
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert set(summary["results"]) == {"ensemble"}  # what finished is kept
+
+
+def test_worker_threads_share_the_cores_among_the_workers_that_can_run_at_once():
+    from hetfl.reproduce.common import worker_threads
+
+    assert worker_threads(2, 2, 1) == 2  # one cell's clients' job alone: both cores
+    assert worker_threads(2, 2, 5) == 1  # its methods, two at a time
+    assert worker_threads(16, 7, 3) == 5 and worker_threads(16, 7, 30) == 2
+    assert worker_threads(2, 4, 4) == 1  # never under one thread
+    with pytest.raises(ValueError, match="startable=0"):
+        worker_threads(2, 2, 0)
 
 
 def test_stopping_parallel_workers_sends_one_sigint_and_waits_for_their_checkpoints(tmp_path):

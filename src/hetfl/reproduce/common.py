@@ -526,6 +526,17 @@ def _pending(cell: str, ready: list[_Job], running: list[_Job], later: dict[str,
     return cell in later or any(j.cell == cell for j in (*ready, *running))
 
 
+def worker_threads(cpus: int, jobs: int, startable: int) -> int:
+    """Torch threads for a worker started when ``startable`` jobs (it, those running and those ready)
+    could run: the cores shared by as many of them as ``jobs`` allows. A worker's threads are fixed
+    when it starts, and jobs become ready only when a cell's clients' job ends, so a job that starts
+    alone (one cell's clients' job, or its last method) cannot be joined by another cell's job later."""
+    if cpus < 1 or jobs < 1 or startable < 1:
+        raise ValueError(f"worker_threads needs positive counts, got cpus={cpus}, jobs={jobs}, "
+                         f"startable={startable}")
+    return max(1, cpus // min(jobs, startable))
+
+
 def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
                        jobs: int, quiet: bool = True, threads: int | None = None,
                        say: Callable[[str], None] = print,
@@ -538,7 +549,8 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     in a worker of its own on those cached uploads, into ``root/.parts/<cell>/<method>``, and is
     merged into the cell folder as soon as it is done (only this process writes there). This is what
     keeps a GPU busy: one data-free method alone leaves it mostly idle between small kernels. Each
-    worker gets ``threads`` torch threads (default: the CPU count divided by ``jobs``).
+    worker gets ``threads`` torch threads (default: the CPU count divided by the number of workers that
+    can run beside it when it starts, :func:`worker_threads`: a cell's clients' job alone gets every core).
     ``done(cell)`` is called once per cell when its last job has ended and been merged (at once for a
     cell with nothing left to run), e.g. to archive it. Returns the failed jobs (``cell: methods
     (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the same call resumes (a
@@ -547,7 +559,6 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     from hetfl.config import validate
 
     cells = [validate(c) for c in cells]  # a finished method is recognised by its validated config
-    threads = threads or max(1, (os.cpu_count() or 1) // jobs)
     for line in merge_finished_parts(root, cells):  # workers that ended after their parent was stopped
         say(f"{line} merged (finished in an earlier call)")
     by_name = {c["name"]: c for c in cells}
@@ -561,7 +572,8 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
         while ready or running:
             while ready and len(running) < jobs:
                 job = ready.pop(0)
-                _start(job, by_name[job.cell], cache, data_root, quiet, threads)
+                _start(job, by_name[job.cell], cache, data_root, quiet,
+                       threads or worker_threads(os.cpu_count() or 1, jobs, len(running) + 1 + len(ready)))
                 running.append(job)
                 say(f"{job.cell}: {','.join(job.methods)} started")
             time.sleep(0.2)
