@@ -530,7 +530,9 @@ def worker_threads(cpus: int, jobs: int, startable: int) -> int:
     """Torch threads for a worker started when ``startable`` jobs (it, those running and those ready)
     could run: the cores shared by as many of them as ``jobs`` allows. A worker's threads are fixed
     when it starts, and jobs become ready only when a cell's clients' job ends, so a job that starts
-    alone (one cell's clients' job, or its last method) cannot be joined by another cell's job later."""
+    alone (one cell's clients' job, or its last method) cannot be joined by another cell's job later.
+    With fewer cells than ``jobs``, a cell's methods can start beside another cell's clients' job that
+    took more threads, so the threads may exceed the cores until that job ends."""
     if cpus < 1 or jobs < 1 or startable < 1:
         raise ValueError(f"worker_threads needs positive counts, got cpus={cpus}, jobs={jobs}, "
                          f"startable={startable}")
