@@ -1,6 +1,7 @@
 """FedMHO family and FedCVAE: CVAEs, allocation, K-means filter, initialisation, frozen teacher, runs."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from hetfl.fl.generative import (
     keep_count,
     kmeans_filter,
     largest_remainder,
+    teacher_stats,
     train_cvae_model,
     train_on_synthetic,
 )
@@ -255,6 +257,33 @@ def test_random_init_keeps_the_fresh_server_model_and_sd_distils_from_it(four_cl
     average = weighted_average([uploads[c].tensors for c in (0, 1)], [1.0, 1.0])
     assert any(not torch.allclose(init[k], v) for k, v in average.items() if v.is_floating_point())
     assert all(torch.equal(method.teacher.state_dict()[k], v) for k, v in fresh.items())
+
+
+def test_teacher_stats_entropy_and_per_class_agreement():
+    uniform = teacher_stats(torch.zeros(6, 3), torch.tensor([0, 0, 1, 1, 1, 2]), 3)
+    assert uniform["entropy"] == pytest.approx(math.log(3), abs=1e-4) == uniform["max_entropy"]
+    # a confident teacher that predicts class 0 for everything but the last class-1 sample
+    logits = torch.full((6, 4), -20.0)
+    logits[:, 0] = 20.0
+    logits[4] = torch.tensor([-20.0, 20.0, -20.0, -20.0])
+    stats = teacher_stats(logits, torch.tensor([0, 0, 1, 1, 1, 2]), 4)
+    assert stats["entropy"] == pytest.approx(0.0, abs=1e-4)
+    assert stats["agreement"] == pytest.approx(3 / 6, abs=1e-4)
+    assert stats["agreement_per_class"] == [1.0, pytest.approx(1 / 3, abs=1e-4), 0.0, None]  # no class-3 sample
+    with pytest.raises(ValueError, match="do not match 5 labels over 4 classes"):
+        teacher_stats(logits, torch.zeros(5, dtype=torch.long), 4)
+
+
+@pytest.mark.parametrize("name", ["fedmho", "fedmho_md", "fedmho_sd"])
+def test_md_and_sd_record_what_their_teacher_says_on_the_synthetic_set(four_clients, name):
+    _, _, _, ctx = run_server(name, four_clients, {})
+    if name == "fedmho":  # no KD term, no teacher
+        assert "teacher" not in ctx.record
+        return
+    stats = ctx.record["teacher"]
+    assert 0.0 <= stats["entropy"] <= stats["max_entropy"] == pytest.approx(math.log(4), abs=1e-4)
+    assert len(stats["agreement_per_class"]) == 4 and all(0.0 <= a <= 1.0 for a in stats["agreement_per_class"])
+    assert stats["agreement"] == pytest.approx(sum(stats["agreement_per_class"]) / 4, abs=1e-3)  # 40 per class
 
 
 def test_heterogeneous_classifiers_initialise_by_ensemble_distillation(four_clients):

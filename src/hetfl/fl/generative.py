@@ -13,11 +13,14 @@ Server side, shared by the methods:
 * :func:`generate`: every decoder decodes its cell counts (``z ~ N(0, I)``, optionally truncated).
 * :func:`kmeans_filter`: FedMHO's Alg. 2, per class 1-cluster K-means in flattened pixel space.
 * :func:`train_on_synthetic`: Adam over the in-memory synthetic set with CE (Eq. 5) and optional
-  KD towards precomputed teacher logits (Eq. 6-8), evaluating and logging per epoch.
+  KD towards precomputed teacher logits (Eq. 6-8), evaluating and logging per epoch;
+  :func:`teacher_stats` says what such a teacher tells the synthetic set (entropy, agreement with
+  the labels per class), which FedMHO-MD/SD record in their summaries.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -249,6 +252,25 @@ def teacher_logits(teachers: Sequence[nn.Module], x: torch.Tensor, chunk: int = 
         t.eval()
     return torch.cat([torch.stack([t(x[s : s + chunk]).float() for t in teachers]).mean(dim=0)
                       for s in range(0, len(x), chunk)])
+
+
+def teacher_stats(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, Any]:
+    """What a fixed KD teacher says about the synthetic set it teaches on: its mean softmax entropy
+    (nats; ``log C`` is a uniform teacher, whose KL term is only a confidence penalty), how often its
+    argmax agrees with the synthetic labels, overall and per class (``None`` for a class with no
+    sample). A class the teacher never predicts pulls that class's samples away from their labels."""
+    if logits.ndim != 2 or logits.shape[0] != len(y) or logits.shape[1] != num_classes:
+        raise ValueError(f"teacher logits of shape {tuple(logits.shape)} do not match {len(y)} labels "
+                         f"over {num_classes} classes")
+    log_p = torch.log_softmax(logits.float(), dim=1)
+    entropy = -(log_p.exp() * log_p).sum(dim=1)
+    agree = (logits.argmax(dim=1) == y).float()
+    y = y.long()
+    count = torch.bincount(y, minlength=num_classes)
+    hits = torch.bincount(y, weights=agree, minlength=num_classes)
+    per_class = [round(float(h / n), 4) if n else None for h, n in zip(hits.tolist(), count.tolist())]
+    return {"entropy": round(float(entropy.mean()), 4), "max_entropy": round(math.log(num_classes), 4),
+            "agreement": round(float(agree.mean()), 4) if len(y) else None, "agreement_per_class": per_class}
 
 
 def kd_term(teacher: torch.Tensor, student: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -36,7 +36,12 @@ Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
   KL is the per-sample KL at temperature 1 (the equations have none), averaged over the batch;
   the official code uses torch's ``KLDivLoss()`` default, which also divides by the number of
   classes, and weight 1 for both terms (``kl_reduction: mean`` reproduces that reduction). The
-  teachers are fixed and there is no augmentation, so their logits are computed once.
+  teachers are fixed and there is no augmentation, so their logits are computed once. MD and SD
+  record what their teacher says on the filtered synthetic set (``teacher`` in the summary: mean
+  softmax entropy, argmax agreement with the synthetic labels overall and per class): a class the
+  teacher never predicts is a class the KD term pulls away from its label, and a random SD teacher
+  (``init: random``) is typically near-uniform (the entropy shows how near), and then its KD term
+  is only a confidence penalty.
 * ``freeze_bn`` (ours, default false): the paper's VGG-9 has no BatchNorm, so its server stage
   cannot re-estimate normalisation statistics on the synthetic set; with a BatchNorm server model
   (the reduced budget's cnn2) ``freeze_bn: true`` keeps those layers in eval mode during knowledge
@@ -69,6 +74,7 @@ from hetfl.fl.generative import (
     generate,
     kmeans_filter,
     teacher_logits,
+    teacher_stats,
     train_on_synthetic,
 )
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
@@ -289,6 +295,8 @@ class FedMHO(GenerativeMethod):
             teacher = teacher_logits(list(classifiers.values()), x)
         elif self.kd == "sd":
             teacher = teacher_logits([init], x)
+        if teacher is not None:
+            ctx.record["teacher"] = teacher_stats(teacher, y, ctx.num_classes)
         curve = train_on_synthetic(model, x, y, self.fusion(ctx, self.lam), derive_seed(ctx.seed, self.name, "fuse"),
                                    teacher=teacher, evaluate=ctx.evaluate, log=ctx.log, progress=ctx.progress,
                                    desc=f"{self.name}: knowledge fusion")
