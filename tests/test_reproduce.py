@@ -1029,18 +1029,22 @@ def test_fedmho_trials_section_names_each_trials_changed_settings_and_groups_tri
     (archive / mho.TRIALS).mkdir(parents=True)
     assert mho.trials_report(archive) == ""  # no trials: no section
 
-    def write(trial: str, method: str, changes: dict, digest: str, curve: list, threads: int = 1) -> None:
+    def write(trial: str, method: str, changes: dict, digest: str, curve: list, threads: int = 1,
+              teacher: dict | None = None) -> None:
         cfg = mho.cell_config("fmnist", "0.5", 0, "vgg9-e10", methods=(method,))
         cfg["methods"][method].update(changes)
         result = {"accuracy": curve[-1], "best_accuracy": max(curve[1:]), "init_accuracy": curve[0],
                   "curve": curve, "uploads_sha256": digest * 8, "server_seconds": 600.0}
+        if teacher:
+            result["teacher"] = teacher
         summary = {"config": cfg, "results": {method: result, f"{method}[init]": {"accuracy": curve[0]}},
                    "environment": {"threads": threads}}
         (archive / mho.TRIALS / f"{cfg['name']}-{trial}.json").write_text(json.dumps(summary))
 
     curve = [30.0, 50.0, 60.0, 62.0, 64.0, 66.0, 68.0]  # last five epochs: mean 64
     write("md-base", "fedmho_md", {}, "bbbbbbbb", curve, threads=2)
-    write("md-rnd", "fedmho_md", {"init": "random"}, "bbbbbbbb", [10.0, *curve[1:]])
+    blind = {"entropy": 1.234, "max_entropy": 2.3026, "agreement": 0.5, "agreement_per_class": [1.0, 0.0, 0.5, 0.0]}
+    write("md-rnd", "fedmho_md", {"init": "random"}, "bbbbbbbb", [10.0, *curve[1:]], teacher=blind)
     write("md-c40", "fedmho_md", {"cvae_epochs": 40}, "aaaaaaaa", curve)
     write("base", "fedmho", {}, "bbbbbbbb", curve)
     (archive / mho.TRIALS / "notes.txt").write_text("not a summary")
@@ -1051,8 +1055,9 @@ def test_fedmho_trials_section_names_each_trials_changed_settings_and_groups_tri
     assert rows[2]["last5"] == pytest.approx(64.0) and rows[2]["minutes"] == pytest.approx(10.0)
     text = mho.trials_report(archive)
     assert "| FMNIST Dir(0.5) s0 `vgg9-e10` | md-base | FedMHO-MD | none | bbbbbbbb | 2 | 30.00 | 68.00 | 68.00 | " \
-           "64.00 | 10.0 |" in text
+           "64.00 | 10.0 | - |" in text  # no teacher record: a dash
     assert "| md-rnd | FedMHO-MD | `init: \"random\"` | bbbbbbbb | 1 | 10.00 |" in text
+    assert "| 10.0 | H 1.23 nats, agrees 50.0 %, never on 1, 3 |" in text
     assert "[init]" not in text
 
 

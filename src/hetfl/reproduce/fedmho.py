@@ -828,7 +828,8 @@ def trial_rows(archive: Path) -> list[dict[str, Any]]:
     the summary of ``hetfl run`` on a main cell's config with ``--set`` overrides of its methods. One row
     per file and method (``[...]`` models left out): dataset, setting, seed, budget, trial, method, the
     method's settings that differ from the budget's (:func:`method_params`), the uploads' digest, torch
-    threads, w_0, final and best %, the mean of the last five epochs' % and the server's minutes. Rows
+    threads, w_0, final and best %, the mean of the last five epochs' %, the server's minutes and what
+    the KD teacher said on the synthetic set (:func:`hetfl.fl.generative.teacher_stats`, MD/SD). Rows
     are sorted by cell, uploads, method and trial, so the trials on the same bytes stand together."""
     rows: list[dict[str, Any]] = []
     for f in sorted((archive / TRIALS).glob(f"{PREFIX}-*.json")):
@@ -851,7 +852,8 @@ def trial_rows(archive: Path) -> list[dict[str, Any]]:
                 "threads": summary.get("environment", {}).get("threads"),
                 "w0": r.get("init_accuracy"), "final": r["accuracy"], "best": r.get("best_accuracy"),
                 "last5": statistics.fmean(curve[-5:]) if len(curve) > 5 else None,
-                "minutes": r["server_seconds"] / 60 if r.get("server_seconds") is not None else None})
+                "minutes": r["server_seconds"] / 60 if r.get("server_seconds") is not None else None,
+                "teacher": r.get("teacher")})
     order = {a: i for i, a in enumerate(SETTINGS)}
     return sorted(rows, key=lambda r: (r["dataset"], order.get(r["setting"], len(order)), r["seed"], r["budget"],
                                        r["uploads"], r["method"], r["trial"]))
@@ -868,17 +870,30 @@ def trials_report(archive: Path) -> str:
              "unless a changed setting retrains some clients (`cvae_epochs`). \"changed\" = the method's settings "
              "that differ from the budget's (none = the cell as configured, run again on these uploads). "
              "w_0 = the server's initial model; final and best %; \"last 5\" = mean % of the last five server "
-             f"epochs. Summaries in `{archive.name}/{TRIALS}/`; what each trial asks is in the notes.", "",
-             "| cell | trial | method | changed | uploads | threads | w_0 | final | best | last 5 | server min |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "epochs. \"KD teacher\" (MD and SD, summaries that record it): the teacher's mean softmax entropy "
+             "on the filtered synthetic set in nats (2.30 = uniform over 10 classes), how often its argmax is "
+             "the sample's label, and the classes where it never is.",
+             f"Summaries in `{archive.name}/{TRIALS}/`; what each trial asks is in the notes.", "",
+             "| cell | trial | method | changed | uploads | threads | w_0 | final | best | last 5 | server min "
+             "| KD teacher |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         changed = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in r["changed"].items()) or "none"
         minutes = "-" if r["minutes"] is None else f"{r['minutes']:.1f}"
         lines.append(f"| {r['dataset'].upper()} Dir({r['setting']}) s{r['seed']} `{r['budget']}` | {r['trial']} | "
                      f"{LABELS.get(r['method'], r['method'])} | {changed} | {r['uploads'] or '-'} | "
                      f"{r['threads'] if r['threads'] is not None else '-'} | {_pct(r['w0'])} | {_pct(r['final'])} | "
-                     f"{_pct(r['best'])} | {_pct(r['last5'])} | {minutes} |")
+                     f"{_pct(r['best'])} | {_pct(r['last5'])} | {minutes} | {_teacher_cell(r['teacher'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _teacher_cell(stats: dict[str, Any] | None) -> str:
+    """``H 2.30 nats, agrees 10.0 %, never on 6-9`` from a ``teacher`` record; ``-`` without one."""
+    if not stats:
+        return "-"
+    blind = [str(c) for c, a in enumerate(stats["agreement_per_class"]) if a == 0.0]
+    agree = "-" if stats["agreement"] is None else f"{100 * stats['agreement']:.1f} %"
+    return f"H {stats['entropy']:.2f} nats, agrees {agree}, never on {', '.join(blind) or 'no class'}"
 
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
