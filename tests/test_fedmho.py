@@ -270,6 +270,9 @@ def test_teacher_stats_entropy_and_per_class_agreement():
     assert stats["entropy"] == pytest.approx(0.0, abs=1e-4)
     assert stats["agreement"] == pytest.approx(3 / 6, abs=1e-4)
     assert stats["agreement_per_class"] == [1.0, pytest.approx(1 / 3, abs=1e-4), 0.0, None]  # no class-3 sample
+    empty = teacher_stats(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), 2)
+    assert empty == {"entropy": None, "max_entropy": pytest.approx(math.log(2), abs=1e-4), "agreement": None,
+                     "agreement_per_class": [None, None]}
     with pytest.raises(ValueError, match="do not match 5 labels over 4 classes"):
         teacher_stats(logits, torch.zeros(5, dtype=torch.long), 4)
 

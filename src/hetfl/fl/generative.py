@@ -258,7 +258,8 @@ def teacher_stats(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> di
     """What a fixed KD teacher says about the synthetic set it teaches on: its mean softmax entropy
     (nats; ``log C`` is a uniform teacher, whose KL term is only a confidence penalty), how often its
     argmax agrees with the synthetic labels, overall and per class (``None`` for a class with no
-    sample). A class the teacher never predicts pulls that class's samples away from their labels."""
+    sample; entropy and agreement are ``None`` for an empty set). A class the teacher never predicts
+    pulls that class's samples away from their labels."""
     if logits.ndim != 2 or logits.shape[0] != len(y) or logits.shape[1] != num_classes:
         raise ValueError(f"teacher logits of shape {tuple(logits.shape)} do not match {len(y)} labels "
                          f"over {num_classes} classes")
@@ -269,8 +270,10 @@ def teacher_stats(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> di
     count = torch.bincount(y, minlength=num_classes)
     hits = torch.bincount(y, weights=agree, minlength=num_classes)
     per_class = [round(float(h / n), 4) if n else None for h, n in zip(hits.tolist(), count.tolist())]
-    return {"entropy": round(float(entropy.mean()), 4), "max_entropy": round(math.log(num_classes), 4),
-            "agreement": round(float(agree.mean()), 4) if len(y) else None, "agreement_per_class": per_class}
+    empty = len(y) == 0
+    return {"entropy": None if empty else round(float(entropy.mean()), 4),
+            "max_entropy": round(math.log(num_classes), 4),
+            "agreement": None if empty else round(float(agree.mean()), 4), "agreement_per_class": per_class}
 
 
 def kd_term(teacher: torch.Tensor, student: torch.Tensor, reduction: str) -> torch.Tensor:

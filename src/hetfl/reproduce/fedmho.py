@@ -871,7 +871,7 @@ def trials_report(archive: Path) -> str:
              "that differ from the budget's (none = the cell as configured, run again on these uploads). "
              "w_0 = the server's initial model; final and best %; \"last 5\" = mean % of the last five server "
              "epochs. \"KD teacher\" (MD and SD, summaries that record it): the teacher's mean softmax entropy "
-             "on the filtered synthetic set in nats (2.30 = uniform over 10 classes), how often its argmax is "
+             "on the filtered synthetic set in nats (log C is uniform: 2.30 for 10 classes), how often its argmax is "
              "the sample's label, and the classes where it never is.",
              f"Summaries in `{archive.name}/{TRIALS}/`; what each trial asks is in the notes.", "",
              "| cell | trial | method | changed | uploads | threads | w_0 | final | best | last 5 | server min "
@@ -888,12 +888,12 @@ def trials_report(archive: Path) -> str:
 
 
 def _teacher_cell(stats: dict[str, Any] | None) -> str:
-    """``H 2.30 nats, agrees 10.0 %, never on 6-9`` from a ``teacher`` record; ``-`` without one."""
-    if not stats:
+    """``H 1.49 nats, agrees 47.0 %, never on 6, 7, 8, 9`` from a ``teacher`` record; ``-`` without one."""
+    if not stats or stats["entropy"] is None:
         return "-"
     blind = [str(c) for c, a in enumerate(stats["agreement_per_class"]) if a == 0.0]
-    agree = "-" if stats["agreement"] is None else f"{100 * stats['agreement']:.1f} %"
-    return f"H {stats['entropy']:.2f} nats, agrees {agree}, never on {', '.join(blind) or 'no class'}"
+    return (f"H {stats['entropy']:.2f} nats, agrees {100 * stats['agreement']:.1f} %, "
+            f"never on {', '.join(blind) or 'no class'}")
 
 
 def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
