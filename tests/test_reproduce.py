@@ -1043,7 +1043,7 @@ def test_fedmho_trials_section_names_each_trials_changed_settings_and_groups_tri
 
     curve = [30.0, 50.0, 60.0, 62.0, 64.0, 66.0, 68.0]  # last five epochs: mean 64
     write("md-base", "fedmho_md", {}, "bbbbbbbb", curve, threads=2)
-    blind = {"entropy": 1.234, "max_entropy": 2.3026, "agreement": 0.5, "agreement_per_class": [1.0, 0.0, 0.5, 0.0]}
+    blind = {"entropy": 1.234, "max_entropy": 2.3026, "agreement": 50.0, "agreement_per_class": [100.0, 0.0, 50.0, 0.0]}
     write("md-rnd", "fedmho_md", {"init": "random"}, "bbbbbbbb", [10.0, *curve[1:]], teacher=blind)
     write("md-c40", "fedmho_md", {"cvae_epochs": 40}, "aaaaaaaa", curve)
     write("base", "fedmho", {}, "bbbbbbbb", curve)

@@ -32,7 +32,7 @@ from torch import nn
 from hetfl.fl.client import ClientEnv, client_task
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import minibatches
+from hetfl.fl.training import accuracy_report, minibatches
 from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 
@@ -256,24 +256,21 @@ def teacher_logits(teachers: Sequence[nn.Module], x: torch.Tensor, chunk: int = 
 
 def teacher_stats(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, Any]:
     """What a fixed KD teacher says about the synthetic set it teaches on: its mean softmax entropy
-    (nats; ``log C`` is a uniform teacher, whose KL term is only a confidence penalty), how often its
-    argmax agrees with the synthetic labels, overall and per class (``None`` for a class with no
-    sample; entropy and agreement are ``None`` for an empty set). A class the teacher never predicts
-    pulls that class's samples away from their labels."""
+    (nats; ``log C`` is a uniform teacher, whose KL term is only a confidence penalty) and how often
+    its argmax is the synthetic label, in %, overall and per class (:func:`accuracy_report`; ``None``
+    for a class with no sample, entropy and agreement ``None`` for an empty set). A class the teacher
+    never predicts pulls that class's samples away from their labels."""
     if logits.ndim != 2 or logits.shape[0] != len(y) or logits.shape[1] != num_classes:
         raise ValueError(f"teacher logits of shape {tuple(logits.shape)} do not match {len(y)} labels "
                          f"over {num_classes} classes")
-    log_p = torch.log_softmax(logits.float(), dim=1)
-    entropy = -(log_p.exp() * log_p).sum(dim=1)
-    agree = (logits.argmax(dim=1) == y).float()
-    y = y.long()
-    count = torch.bincount(y, minlength=num_classes)
-    hits = torch.bincount(y, weights=agree, minlength=num_classes)
-    per_class = [round(float(h / n), 4) if n else None for h, n in zip(hits.tolist(), count.tolist())]
-    empty = len(y) == 0
-    return {"entropy": None if empty else round(float(entropy.mean()), 4),
-            "max_entropy": round(math.log(num_classes), 4),
-            "agreement": None if empty else round(float(agree.mean()), 4), "agreement_per_class": per_class}
+    stats: dict[str, Any] = {"entropy": None, "max_entropy": round(math.log(num_classes), 4), "agreement": None,
+                             "agreement_per_class": [None] * num_classes}
+    if len(y):
+        log_p = torch.log_softmax(logits.float(), dim=1)
+        agreement = accuracy_report(logits, y.long(), num_classes)
+        stats.update(entropy=round(float(-(log_p.exp() * log_p).sum(dim=1).mean()), 4),
+                     agreement=round(agreement["accuracy"], 4), agreement_per_class=agreement["per_class"])
+    return stats
 
 
 def kd_term(teacher: torch.Tensor, student: torch.Tensor, reduction: str) -> torch.Tensor:

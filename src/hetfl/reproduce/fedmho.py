@@ -892,7 +892,7 @@ def _teacher_cell(stats: dict[str, Any] | None) -> str:
     if not stats or stats["entropy"] is None:
         return "-"
     blind = [str(c) for c, a in enumerate(stats["agreement_per_class"]) if a == 0.0]
-    return (f"H {stats['entropy']:.2f} nats, agrees {100 * stats['agreement']:.1f} %, "
+    return (f"H {stats['entropy']:.2f} nats, agrees {stats['agreement']:.1f} %, "
             f"never on {', '.join(blind) or 'no class'}")
 
 
