@@ -327,6 +327,61 @@ def test_freeze_bn_must_be_a_bool():
         FusionConfig(freeze_bn="yes")
 
 
+@pytest.mark.parametrize("bad, match", [({"precision": "fp16"}, "precision must be fp32 or bf16"),
+                                        ({"channels_last": 1}, "channels_last must be true or false")])
+def test_fusion_precision_and_layout_are_checked(bad, match):
+    with pytest.raises(ValueError, match=match):
+        FusionConfig(**bad)
+
+
+def _fusion_run(precision: str, channels_last: bool):
+    """A cnn2 server stage on a fixed synthetic set; returns (state, curve, autocast seen by evaluate,
+    the dtype of a forward inside evaluate)."""
+    from hetfl.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("cnn2", 1, 16, 4)
+    x, y = torch.rand(96, 1, 16, 16), torch.randint(0, 4, (96,))
+    seen = []
+
+    def evaluate(m):
+        with torch.no_grad():
+            seen.append((torch.is_autocast_enabled("cpu"), m.eval()(x[:8]).dtype))
+        m.train()
+        return {"accuracy": float((m.eval()(x).float().argmax(1) == y).float().mean() * 100)}
+
+    cfg = FusionConfig(epochs=2, batch_size=32, lr=1e-2, precision=precision, channels_last=channels_last)
+    curve = train_on_synthetic(model, x, y, cfg, seed=0, evaluate=evaluate)
+    return model, curve, seen
+
+
+def test_bf16_fusion_autocasts_training_and_curve_evaluations_and_keeps_fp32_weights():
+    model, curve, seen = _fusion_run("bf16", channels_last=True)
+    assert len(curve) == 3 and all(enabled for enabled, _ in seen)
+    assert {dtype for _, dtype in seen} == {torch.bfloat16}  # the curve's forwards ran in bf16
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+    assert all(p.is_contiguous() for p in model.parameters())  # handed back in the default layout
+    _, _, seen32 = _fusion_run("fp32", channels_last=False)
+    assert seen32 == [(False, torch.float32)] * 3  # the default leaves every archived run as it was
+
+
+def test_channels_last_fusion_matches_the_default_layout():
+    nchw, curve, _ = _fusion_run("fp32", channels_last=False)
+    nhwc, curve_nhwc, _ = _fusion_run("fp32", channels_last=True)
+    assert curve == curve_nhwc
+    # the same steps, summed in another order; compared as functions in train mode, where BatchNorm
+    # cancels the conv biases (their gradient is zero up to rounding, which Adam magnifies to ~lr)
+    x = torch.rand(16, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(nchw.train()(x), nhwc.train()(x), atol=1e-3)
+
+
+def test_md_runs_its_server_stage_in_bf16(four_clients):
+    _, _, models, ctx = run_server("fedmho_md", four_clients, {"precision": "bf16", "channels_last": True})
+    assert len(ctx.record["curve"]) == 3 and ctx.record["teacher"]["agreement"] is not None
+    assert all(p.dtype == torch.float32 and p.is_contiguous() for p in models["fedmho_md"].parameters())
+
+
 def test_klmean_variants_differ_from_md_sd_only_in_the_kd_reduction(four_clients):
     for base in ("fedmho_md", "fedmho_sd"):
         plain, _, _, _ = run_server(base, four_clients, {})

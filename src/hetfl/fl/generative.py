@@ -32,7 +32,7 @@ from torch import nn
 from hetfl.fl.client import ClientEnv, client_task
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import accuracy_report, minibatches
+from hetfl.fl.training import accuracy_report, autocast, minibatches
 from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 
@@ -221,9 +221,15 @@ class FusionConfig:
     kl_reduction: str = "batchmean"  # batchmean: KL per sample; mean: torch KLDivLoss() default (/ C too)
     eval_every: int = 1
     freeze_bn: bool = False  # keep BatchNorm layers in eval mode: running statistics and normalisation fixed
+    precision: str = "fp32"  # fp32 | bf16: autocast over the training steps and the per-epoch evaluations
+    channels_last: bool = False  # NHWC model and batches (faster convolutions on AVX-512 CPUs)
 
     def __post_init__(self) -> None:
         check_loop(self.epochs, self.batch_size, self.lr)
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        if not isinstance(self.channels_last, bool):
+            raise ValueError(f"channels_last must be true or false, got {self.channels_last!r}")
         if not 0 <= self.lam <= 1:
             raise ValueError(f"lambda must be in [0, 1], got {self.lam!r}")
         if self.kl_reduction not in ("batchmean", "mean"):
@@ -285,15 +291,25 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
                        desc: str = "server training") -> list[float]:
     """``lam * CE(model(x), y) + (1 - lam) * KL(teacher || model(x))`` (Eq. 5 when ``teacher`` is
     None, else Eq. 8), Adam, shuffled minibatches; returns the accuracy after each evaluated epoch
-    (epoch 0 = before training) and logs ``accuracy``, ``ce``, ``kd`` per epoch."""
+    (epoch 0 = before training) and logs ``accuracy``, ``ce``, ``kd`` per epoch.
+
+    ``cfg.precision == "bf16"`` runs the forward passes of the training steps and of the per-epoch
+    evaluations under bf16 autocast (the loss terms, Adam and the weights stay fp32); the engine's
+    evaluation of the returned model is its own (fp32), so a run's last curve point and its headline
+    accuracy show what bf16 evaluation moves. ``cfg.channels_last`` trains in NHWC and hands the
+    model back in the default layout."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     curve: list[float] = []
+    layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    if cfg.channels_last:
+        model.to(memory_format=layout)
 
     def record(epoch: int, ce: float, kd: float) -> None:
         if evaluate is None or (epoch % cfg.eval_every and epoch != cfg.epochs):
             return
-        acc = float(evaluate(model)["accuracy"])
+        with autocast(x.device, cfg.precision):
+            acc = float(evaluate(model)["accuracy"])
         curve.append(acc)
         if log is not None:
             log(epoch, accuracy=acc, ce=ce, kd=kd)
@@ -305,7 +321,8 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
         sums, count = torch.zeros(2), 0
         for idx in minibatches(len(x), cfg.batch_size, g):
             idx = idx.to(x.device)
-            out = model(x[idx])
+            with autocast(x.device, cfg.precision):
+                out = model(x[idx].contiguous(memory_format=layout)).float()
             ce = F.cross_entropy(out, y[idx])
             if teacher is None:
                 kd, loss = torch.zeros((), device=out.device), ce
@@ -318,4 +335,6 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
             sums += torch.stack([ce.detach(), kd.detach()]).cpu() * len(idx)
             count += len(idx)
         record(epoch, float(sums[0] / max(count, 1)), float(sums[1] / max(count, 1)))
+    if cfg.channels_last:
+        model.to(memory_format=torch.contiguous_format)
     return curve

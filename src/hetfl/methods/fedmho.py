@@ -47,6 +47,10 @@ Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
   (the reduced budget's cnn2) ``freeze_bn: true`` keeps those layers in eval mode during knowledge
   fusion (fixed affine maps, the running statistics of ``w_0``), which is the closest a BN model
   comes to the paper's setting. The KD teachers are always evaluated in eval mode.
+* ``precision: bf16`` and ``channels_last`` (ours, defaults fp32 and false, as every archived run):
+  bf16 autocast and NHWC for the server's training steps and per-epoch evaluations
+  (:func:`hetfl.fl.generative.train_on_synthetic`), for CPUs with native bf16; the teachers' logits
+  and the engine's evaluation of the final model stay fp32.
 * Defaults per dataset (Table 3): server epochs 10 / 20 / 20 / 30 and Adam lr 1e-5 / 5e-4 / 5e-5
   / 5e-5 for MNIST / Fashion / SVHN / EMNIST (others: 20 and 1e-4, the code's CIFAR-10 values);
   CVAE Adam lr 5e-2 / 5e-2 / 1e-3 / 3e-3 and 30 / 40 / 40 / 50 local epochs (others 1e-3, 30);
@@ -92,6 +96,7 @@ OTHER_CVAE = (30, 1e-3)
 GENERATIVE_DEFAULTS: dict[str, Any] = {
     "cvae": "cvae_small", "latent_dim": 20, "cvae_epochs": None, "cvae_lr": None, "cvae_batch_size": 64,
     "num_samples": 6000, "epochs": None, "lr": None, "batch_size": 64, "eval_every": 1,
+    "precision": "fp32", "channels_last": False,
 }
 
 
@@ -122,7 +127,8 @@ class GenerativeMethod(OneShotMethod):
         return FusionConfig(epochs=p["epochs"] if p["epochs"] is not None else epochs, batch_size=p["batch_size"],
                             lr=p["lr"] if p["lr"] is not None else lr, lam=lam,
                             kl_reduction=p.get("kl_reduction", "batchmean"), eval_every=p["eval_every"],
-                            freeze_bn=p.get("freeze_bn", False))
+                            freeze_bn=p.get("freeze_bn", False), precision=p["precision"],
+                            channels_last=p["channels_last"])
 
     def generative_ids(self, ctx: ServerContext) -> list[int]:
         raise NotImplementedError
@@ -275,7 +281,8 @@ class FedMHO(GenerativeMethod):
         logits = teacher_logits(list(classifiers.values()), x)
         fusion = self.fusion(ctx, lam=0.0)
         epochs = self.params["init_epochs"] if self.params["init_epochs"] is not None else fusion.epochs
-        cfg = FusionConfig(epochs=epochs, batch_size=fusion.batch_size, lr=self.params["init_lr"], lam=0.0)
+        cfg = FusionConfig(epochs=epochs, batch_size=fusion.batch_size, lr=self.params["init_lr"], lam=0.0,
+                           precision=fusion.precision, channels_last=fusion.channels_last)
         dummy = torch.zeros(len(x), dtype=torch.long, device=x.device)  # CE weight is 0: labels unused
         train_on_synthetic(model, x, dummy, cfg, derive_seed(ctx.seed, self.name, "init"), teacher=logits,
                            progress=ctx.progress, desc=f"{self.name}: ensemble-distillation init")
