@@ -418,6 +418,8 @@ def test_unknown_method_key_fails_in_config(tiny_config):
     ("fedmho", {"init": "scratch"}, "init must be auto, average, distill or random"),
     ("fedcvae_kd", {"z_range": -1}, "z_range"),
     ("fedcvae_ens", {"cvae_lr": 0}, "cvae lr"),
+    ("fedcvae_ens", {"precision": "fp16"}, "precision must be fp32 or bf16"),
+    ("fedmho_md", {"channels_last": "yes"}, "channels_last must be true or false"),
 ])
 def test_bad_settings_fail_before_any_training(tiny_config, tmp_path, method, params, message):
     tiny_config["client"]["model"] = ["cnn2", "lenet5"] if params.get("init") == "average" else "cnn2"
