@@ -23,6 +23,9 @@ label histogram (FedCVAE's ``compute_data_amt_and_pmf``).
   and settings, FedCVAE's generative clients send FedMHO's request and share its cached uploads.
   ``cvae`` may be a list assigned round-robin over the clients (Table 1: CVAE-large on the large
   clients, CVAE-small on the small ones). Test accuracy is logged after every epoch.
+* ``precision: bf16`` and ``channels_last`` (ours, defaults fp32 and false) run the classifier's
+  training and per-epoch evaluations in bf16 / NHWC, as for FedMHO
+  (:func:`hetfl.fl.generative.train_on_synthetic`); FedCVAE-KD's decoder distillation stays fp32.
 """
 
 from __future__ import annotations
