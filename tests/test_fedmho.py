@@ -335,8 +335,8 @@ def test_fusion_precision_and_layout_are_checked(bad, match):
 
 
 def _fusion_run(precision: str, channels_last: bool):
-    """A cnn2 server stage on a fixed synthetic set; returns (state, curve, autocast seen by evaluate,
-    the dtype of a forward inside evaluate)."""
+    """A cnn2 server stage on a fixed synthetic set; returns (model, curve, and per evaluation whether
+    autocast was on and the dtype of the model's output there)."""
     from hetfl.models import build_model
 
     torch.manual_seed(0)
@@ -346,9 +346,9 @@ def _fusion_run(precision: str, channels_last: bool):
 
     def evaluate(m):
         with torch.no_grad():
-            seen.append((torch.is_autocast_enabled("cpu"), m.eval()(x[:8]).dtype))
-        m.train()
-        return {"accuracy": float((m.eval()(x).float().argmax(1) == y).float().mean() * 100)}
+            out = m.eval()(x)
+        seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+        return {"accuracy": float((out.float().argmax(1) == y).float().mean() * 100)}
 
     cfg = FusionConfig(epochs=2, batch_size=32, lr=1e-2, precision=precision, channels_last=channels_last)
     curve = train_on_synthetic(model, x, y, cfg, seed=0, evaluate=evaluate)

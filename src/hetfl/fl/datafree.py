@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hetfl.fl.method import ServerContext, derive_seed
-from hetfl.fl.training import autocast
+from hetfl.fl.training import autocast, check_precision
 from hetfl.models.generator import Generator
 
 
@@ -179,8 +179,7 @@ class DataFreeConfig:
             raise ValueError("epochs, generator_steps >= 1 and batch_size >= 2 are required")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0: off), got {self.grad_clip}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        check_precision(self.precision)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # uint8 images, labels y, (m, b, c) client logits

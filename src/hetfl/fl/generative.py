@@ -32,7 +32,7 @@ from torch import nn
 from hetfl.fl.client import ClientEnv, client_task
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import accuracy_report, autocast, minibatches
+from hetfl.fl.training import accuracy_report, autocast, check_precision, minibatches, prepare
 from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 
@@ -226,8 +226,7 @@ class FusionConfig:
 
     def __post_init__(self) -> None:
         check_loop(self.epochs, self.batch_size, self.lr)
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        check_precision(self.precision)
         if not isinstance(self.channels_last, bool):
             raise ValueError(f"channels_last must be true or false, got {self.channels_last!r}")
         if not 0 <= self.lam <= 1:
@@ -302,8 +301,7 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     curve: list[float] = []
     layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    if cfg.channels_last:
-        model.to(memory_format=layout)
+    model = prepare(model, x.device, cfg.channels_last)
 
     def record(epoch: int, ce: float, kd: float) -> None:
         if evaluate is None or (epoch % cfg.eval_every and epoch != cfg.epochs):

@@ -39,11 +39,19 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"bad local training config: {self}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        check_precision(self.precision)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: object) -> None:
+    """The one check of a ``precision`` setting, shared by every loop that autocasts."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
 
 
 @functools.cache
