@@ -28,7 +28,8 @@
 # beside the cells), PACK_CACHE (1: also pack the upload caches, to run more methods on the same
 # uploads elsewhere; small models only), OUT (default ./device-out), PY (default python3), WORK (the
 # working folder, default device-work: two invocations side by side, e.g. with different METHODS,
-# need different ones).
+# need different ones), BATCH (1: `--batch-clients`, each cell's equal classifier clients trained as
+# one vectorised batch; time it first with scripts/bench_batch_clients.py).
 set -u
 T0=$(date +%s)
 CELLS=${CELLS:?"CELLS='dataset:setting:seed ...' is required"}
@@ -47,7 +48,7 @@ cell() { # index dataset setting seed
   if [ "$l" -le 30 ]; then echo "skip $2 $3 $4: deadline" >> "$log"; return 0; fi
   echo "cell $2 $3 $4 start at $(( $(date +%s) - T0 ))s" >> "$log"
   timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
-    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} \
+    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} ${BATCH:+--batch-clients} \
     --device "$DEV" --data-root data --cache-dir "$work/cache/$1" --out "$work/runs/$1" \
     --results "$work/res/$1.md" --quiet >> "$log" 2>&1
   echo "cell $2 $3 $4 rc=$? at $(( $(date +%s) - T0 ))s" >> "$log"

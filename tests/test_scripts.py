@@ -6,6 +6,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device-cells.sh"
 
 
@@ -32,11 +34,12 @@ def test_device_script_passes_jobs_and_packs_the_cache_on_request(tmp_path):
     entry.parent.mkdir(parents=True)
     entry.write_bytes(b"upload")
     env = {**os.environ, "CELLS": "fmnist:0.5,0.3:0", "PAPER": "fedhydra", "JOBS": "8", "PACK_CACHE": "1",
-           "DL": "60", "DEV": "cpu", "PY": "echo", "OUT": str(tmp_path / "out")}  # echo: the command line, no run
+           "BATCH": "1", "DL": "60", "DEV": "cpu", "PY": "echo", "OUT": str(tmp_path / "out")}  # echo: no run
     done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "device-work" / "logs" / "cell1.log").read_text()
     assert "reproduce fedhydra" in log and "--settings 0.5,0.3 --seeds 0" in log and "--jobs 8" in log
+    assert "--batch-clients" in log
     with tarfile.open(tmp_path / "out" / "cells.tgz") as tar:
         assert "device-work/cache/1/ab/ab12.safetensors" in tar.getnames()
 
@@ -193,3 +196,17 @@ def test_device_averaging_script_trains_one_process_per_client_and_evaluates_the
     assert "vote_uniform" in result["snapshots"]["2"] and result["other_archs"]["lenet5"]["clients"] == [2, 3]
     with tarfile.open(tmp_path / "out" / "logs.tgz") as tar:
         assert {"device-work/logs/client0.log", "device-work/logs/evaluate.log"} <= set(tar.getnames())
+
+
+def test_batch_clients_benchmark_reports_both_ways(tmp_path):
+    """scripts/bench_batch_clients.py: a JSON line with both timings and their ratio."""
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_batch_clients.py"
+    args = [sys.executable, str(script), "--arch", "lenet5", "--clients", "2", "--steps", "2", "--batch-size", "8",
+            "--size", "16", "--repeats", "1", "--precision", "fp32", "--device", "cpu"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["clients"] == 2 and row["device"] == "cpu" and row["alone_s"] > 0 and row["grouped_s"] > 0
+    assert row["speedup"] == pytest.approx(row["alone_s"] / row["grouped_s"], rel=0.02)

@@ -27,11 +27,16 @@ class ConfigError(ValueError):
 TOP_KEYS = {
     "name": "experiment", "seed": 0, "dataset": None, "data": {}, "data_root": "data",
     "partition": None, "clients": None, "client": {}, "server": {}, "methods": None,
-    "device": "auto", "eval_every": 1, "min_clients": 1, "flower": {},
+    "device": "auto", "eval_every": 1, "min_clients": 1, "flower": {}, "simulator": {},
 }
 # Settings of the Flower engine (ignored by the in-process simulator): seconds to wait for the
 # uploads of one exchange, and for the SuperNodes to connect before the first exchange.
 FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
+# Settings of the in-process simulator (ignored by the Flower engine): ``batch_clients`` trains the
+# clients of one exchange whose requests allow it (from-scratch classifiers of one architecture,
+# training config and data size) as one vectorised batch, for accelerators that one small model leaves
+# idle. Their uploads then differ in the last bits from one-at-a-time training and are cached apart.
+SIMULATOR_KEYS = {"batch_clients": False}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}
 SERVER_KEYS = {"model"}
 REQUIRED = ("dataset", "partition", "clients", "methods")
@@ -147,6 +152,11 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
     for key, value in cfg["flower"].items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"flower.{key} must be a positive number of seconds, got {value!r}")
+    simulator = dict(cfg["simulator"] or {})
+    _check_keys("simulator", simulator, set(SIMULATOR_KEYS))
+    cfg["simulator"] = {**SIMULATOR_KEYS, **simulator}
+    if not isinstance(cfg["simulator"]["batch_clients"], bool):
+        raise ConfigError(f"simulator.batch_clients must be true or false, got {cfg['simulator']['batch_clients']!r}")
     if not isinstance(cfg["eval_every"], int) or cfg["eval_every"] < 1:
         raise ConfigError(f"eval_every must be a positive integer, got {cfg['eval_every']!r}")
     return cfg

@@ -29,7 +29,7 @@ import hetfl.methods  # noqa: F401  (registers methods and client tasks)
 from hetfl.config import ConfigError, check_device, client_archs
 from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
 from hetfl.fl.cache import UploadCache, request_key, uploads_digest
-from hetfl.fl.client import ClientEnv, handle
+from hetfl.fl.client import ClientEnv, group_key, handle, handle_group
 from hetfl.fl.comm import CommLedger
 from hetfl.fl.method import (
     Method,
@@ -112,6 +112,8 @@ def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool
 
 def config_hash(cfg: dict[str, Any], method: str) -> str:
     keep = {k: v for k, v in cfg.items() if k not in ("methods", "name", "device", "eval_every", "flower")}
+    if not keep.get("simulator", {}).get("batch_clients"):  # the default: the hashes of earlier runs hold
+        keep.pop("simulator", None)
     keep["method"] = {method: cfg["methods"][method]}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -123,6 +125,10 @@ class Simulator:
                  quiet: bool = False, resume: bool = True, data_root: str | None = None,
                  transport: Transport | None = None) -> None:
         self.exp = exp
+        # ``simulator.batch_clients``: train the clients of one exchange whose requests share a group
+        # key as one vectorised batch (hetfl.fl.client.handle_group); other bits than one client at a
+        # time, so their uploads are cached under keys of their own
+        self.batch_clients = bool(exp.cfg.get("simulator", {}).get("batch_clients")) and transport is None
         self.transport = transport
         if transport is None and exp.partition is None:
             raise ValueError("an in-process simulation needs the partitioned client data")
@@ -134,6 +140,8 @@ class Simulator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.cached_calls = 0
         self.engine_info: dict[str, Any] = {"name": "simulator"} if transport is None else {"name": "remote"}
+        if self.batch_clients:
+            self.engine_info["batch_clients"] = True
         self._answered: dict[tuple[int, str], Payload] = {}  # remote one-shot uploads of this run
 
     # ---- helpers lent to methods -------------------------------------------------------------
@@ -187,27 +195,64 @@ class Simulator:
             restore_history=lambda accuracies: history.__setitem__(slice(None), list(accuracies)),
         )
 
+    def _fingerprint(self, cid: int) -> dict[str, Any]:
+        """What the cache keys a client's data by; batched training marks it (other bits)."""
+        fingerprint = self.exp.fingerprint(cid)
+        return {**fingerprint, "batched": True} if self.batch_clients else fingerprint
+
+    def _key(self, cid: int, message: Payload) -> str:
+        return request_key(self._fingerprint(cid), message, self.exp.device)
+
+    def _env(self, cid: int, states: dict[int, dict], bar: tqdm | None = None, label: str = "") -> ClientEnv:
+        env = ClientEnv(cid, self.exp.client_data[cid], self.exp.device, states.setdefault(cid, {}))
+        if bar is not None:
+            env.progress = lambda epoch, loss: bar.set_postfix(client=label or cid, epoch=epoch, loss=f"{loss:.3f}")
+        return env
+
+    def _train_groups(self, messages: dict[int, Payload], states: dict[int, dict], cacheable: bool,
+                      bar: tqdm | None = None) -> dict[int, tuple[Payload, float]]:
+        """With ``batch_clients``: the requests not in the cache whose :func:`group_key` they share with
+        another, trained group by group (:func:`handle_group`); client -> (upload, seconds, an equal
+        share of its group's)."""
+        groups: dict[Any, list[int]] = {}
+        for cid, message in messages.items():
+            if cacheable and self.cache and self.cache.has(self._key(cid, message)):
+                continue
+            key = group_key(message, self._env(cid, states))
+            if key is not None:
+                groups.setdefault(key, []).append(cid)
+        done: dict[int, tuple[Payload, float]] = {}
+        for cids in (c for c in groups.values() if len(c) > 1):
+            start = time.perf_counter()
+            label = f"{cids[0]}-{cids[-1]} ({len(cids)} at once)"
+            envs = [self._env(cid, states, bar, label) for cid in cids]
+            uploads = handle_group([messages[cid] for cid in cids], envs)
+            seconds = (time.perf_counter() - start) / len(cids)
+            done.update({cid: (upload, seconds) for cid, upload in zip(cids, uploads)})
+        return done
+
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
                 states: dict[int, dict], cacheable: bool, timing: dict[int, float] | None = None,
-                bar: tqdm | None = None) -> Payload:
-        """One client call through the cache. Bytes are counted whether or not the upload was
+                bar: tqdm | None = None, trained: tuple[Payload, float] | None = None) -> Payload:
+        """One client call through the cache (``trained``: its upload and seconds from a group that
+        trained together, :meth:`_train_groups`). Bytes are counted whether or not the upload was
         cached (the transfer would have happened); timing stays out of the payload so that the
         bytes are deterministic."""
         exp = self.exp
         ledger.add(round_, cid, "down", message.nbytes)
-        key = request_key(exp.fingerprint(cid), message, exp.device) if cacheable and self.cache else None
-        upload = self.cache.get(key) if key else None
+        key = self._key(cid, message) if cacheable and self.cache else None
+        upload = self.cache.get(key) if key and trained is None else None
         if upload is None:
             start = time.perf_counter()
-            env = ClientEnv(cid, exp.client_data[cid], exp.device, states.setdefault(cid, {}))
-            if bar is not None:
-                env.progress = lambda epoch, loss: bar.set_postfix(client=cid, epoch=epoch, loss=f"{loss:.3f}")
-            upload = handle(message, env)
-            seconds = time.perf_counter() - start
+            if trained is not None:
+                upload, seconds = trained
+            else:
+                upload = handle(message, self._env(cid, states, bar))
+                seconds = time.perf_counter() - start
             if key:
                 # the thread count is recorded, not keyed: CPU kernels split their sums by thread,
                 # so retraining with another count gives other bits (a cached upload is reused as is)
-                self.cache.put(key, upload, {"fingerprint": exp.fingerprint(cid), "request": message.meta,
+                self.cache.put(key, upload, {"fingerprint": self._fingerprint(cid), "request": message.meta,
                                              "request_tensors": sorted(message.tensors),
                                              "keyed_for": {"torch": torch.__version__, "device": exp.device.type},
                                              "seconds": seconds, "torch_threads": torch.get_num_threads()})
@@ -228,7 +273,9 @@ class Simulator:
         failures: dict[int, str] = {}
         if self.transport is None:
             bar = self.progress(list(messages), desc=desc, unit="client")
-            uploads = {cid: self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar)
+            trained = self._train_groups(messages, states, cacheable, bar) if self.batch_clients else {}
+            uploads = {cid: self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar,
+                                         trained.get(cid))
                        for cid in bar}
         else:
             for cid, message in messages.items():

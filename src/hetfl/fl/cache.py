@@ -79,6 +79,10 @@ class UploadCache:
             path.unlink(missing_ok=True)
             return None
 
+    def has(self, key: str) -> bool:
+        """Whether an upload is stored under ``key`` (without reading it)."""
+        return self._path(key).is_file()
+
     def info(self, key: str) -> dict[str, Any]:
         """The JSON written beside an upload (fingerprint, request, training seconds)."""
         path = self._path(key).with_suffix(".json")

@@ -3,7 +3,9 @@
 A method's client part is a task: ``task(message, env) -> upload``. Engines (the in-process
 simulator, the Flower ``ClientApp``) only look tasks up by the ``task`` name in the message's
 metadata, so they never know a method by name. :func:`handle` stamps every upload with what the
-server may know about the client (id, sample count, label histogram, task).
+server may know about the client (id, sample count, label histogram, task). A task may have a batched
+form (:func:`client_group_task`) that an engine holding several clients in one process may use for
+requests of one group key (:func:`handle_group`; the simulator's ``batch_clients``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.payload import Payload, PayloadError, state_payload
-from hetfl.fl.training import TrainConfig, local_train
+from hetfl.fl.training import TrainConfig, local_train, local_train_group
 from hetfl.models import build_model
 
 
@@ -47,12 +49,25 @@ def client_task(name: str) -> Callable[[ClientTask], ClientTask]:
     return register
 
 
-def handle(message: Payload, env: ClientEnv) -> Payload:
-    """Run the task named in ``message`` on this client and return its upload."""
-    task = message.meta.get("task")
-    if task not in CLIENT_TASKS:
-        raise PayloadError(f"unknown client task {task!r}; known: {sorted(CLIENT_TASKS)}")
-    upload = CLIENT_TASKS[task](message, env)
+GroupTask = Callable[[list[Payload], list[ClientEnv]], list[Payload]]
+# task -> (how a request groups with others: equal keys can train together, None = alone; the
+# batched task). An engine that holds several clients in one process (the simulator) may run a group
+# of equal-keyed requests through it instead of one task call per client.
+CLIENT_GROUP_TASKS: dict[str, tuple[Callable[[Payload, ClientEnv], Any], GroupTask]] = {}
+
+
+def client_group_task(name: str, key: Callable[[Payload, ClientEnv], Any]) -> Callable[[GroupTask], GroupTask]:
+    """Register ``fn`` as the batched form of task ``name``: ``fn(messages, envs)`` returns one upload
+    per client, for requests whose ``key`` values are equal (and not None)."""
+
+    def register(fn: GroupTask) -> GroupTask:
+        CLIENT_GROUP_TASKS[name] = (key, fn)
+        return fn
+
+    return register
+
+
+def _stamp(upload: Payload, task: str, env: ClientEnv) -> Payload:
     upload.meta.update(
         task=task,
         client_id=env.client_id,
@@ -60,6 +75,36 @@ def handle(message: Payload, env: ClientEnv) -> Payload:
         label_counts=env.data.label_counts().tolist(),
     )
     return upload
+
+
+def handle(message: Payload, env: ClientEnv) -> Payload:
+    """Run the task named in ``message`` on this client and return its upload."""
+    task = message.meta.get("task")
+    if task not in CLIENT_TASKS:
+        raise PayloadError(f"unknown client task {task!r}; known: {sorted(CLIENT_TASKS)}")
+    return _stamp(CLIENT_TASKS[task](message, env), task, env)
+
+
+def group_key(message: Payload, env: ClientEnv) -> tuple[str, Any] | None:
+    """The key under which ``message`` can train in one batch with other clients' requests (see
+    :data:`CLIENT_GROUP_TASKS`), or None where its task has no batched form or this request cannot
+    join one."""
+    task = message.meta.get("task")
+    if task not in CLIENT_GROUP_TASKS:
+        return None
+    key = CLIENT_GROUP_TASKS[task][0](message, env)
+    return None if key is None else (task, key)
+
+
+def handle_group(messages: list[Payload], envs: list[ClientEnv]) -> list[Payload]:
+    """Run requests of one :func:`group_key` as one batch; the uploads carry what :func:`handle`
+    stamps on them."""
+    keys = {group_key(m, e) for m, e in zip(messages, envs)}
+    if len(keys) != 1 or None in keys:
+        raise ValueError(f"handle_group needs requests of one group key, got {keys}")
+    task = messages[0].meta["task"]
+    uploads = CLIENT_GROUP_TASKS[task][1](messages, envs)
+    return [_stamp(u, task, e) for u, e in zip(uploads, envs)]
 
 
 def model_from_message(message: Payload) -> torch.nn.Module:
@@ -90,3 +135,25 @@ def train_classifier(message: Payload, env: ClientEnv) -> Payload:
     cfg = TrainConfig(**message.meta["train"])
     stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress)
     return state_payload(model.cpu(), arch=message.meta["arch"], train_loss=stats["loss"])
+
+
+def _train_group_key(message: Payload, env: ClientEnv) -> tuple[Any, ...] | None:
+    """From scratch only (a request with weights is a multi-round step: trained alone), one model
+    description, one training config, one data size."""
+    m = message.meta
+    if message.tensors:
+        return None
+    return (m["arch"], m["in_channels"], m["image_size"], m["num_classes"],
+            tuple(sorted(m["train"].items())), len(env.data))
+
+
+@client_group_task("train_classifier", key=_train_group_key)
+def train_classifier_group(messages: list[Payload], envs: list[ClientEnv]) -> list[Payload]:
+    """:func:`train_classifier` of several clients as one vectorised network
+    (:func:`hetfl.fl.training.local_train_group`)."""
+    models = [model_from_message(m) for m in messages]
+    cfg = TrainConfig(**messages[0].meta["train"])
+    stats = local_train_group(models, [e.data for e in envs], cfg, envs[0].device,
+                              seeds=[int(m.meta["seed"]) for m in messages], progress=envs[0].progress)
+    return [state_payload(model.cpu(), arch=m.meta["arch"], train_loss=s["loss"])
+            for model, m, s in zip(models, messages, stats)]
