@@ -908,6 +908,34 @@ def test_fedmho_kd_cost_points_fit_and_figure(tmp_path):
     assert "### What the KD term costs FedMHO (budget `reduced`)" in out.read_text()
 
 
+def test_fedmho_kd_cost_against_the_teachers_agreement(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    runs = tmp_path / "runs"
+    budget = "vgg9-e10-feddf-partition"
+    for seed, agree in enumerate([30.0, 50.0, 70.0]):  # MD's cost = 20 - 0.4 x agreement: pays above 50 %
+        cfg = mho.cell_config("fmnist", "0.3", seed, budget)
+        teacher = {"entropy": 1.0, "agreement": agree, "agreement_per_class": [agree] * 10}
+        results = {"fedmho": {"accuracy": 60.0, "best_accuracy": 60.0, "init_accuracy": 40.0},
+                   "fedmho_md": {"accuracy": 60.0 - (20.0 - 0.4 * agree), "best_accuracy": 60.0, "teacher": teacher},
+                   "fedmho_sd": {"accuracy": 61.0, "best_accuracy": 61.0, "teacher": {**teacher, "agreement": None}}}
+        (runs / cfg["name"]).mkdir(parents=True)
+        (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+    cfg = mho.cell_config("mnist", "0.3", 0, budget)  # no plain FedMHO: no point
+    (runs / cfg["name"]).mkdir(parents=True)
+    (runs / cfg["name"] / "summary.json").write_text(json.dumps(
+        {"config": cfg, "results": {"fedmho_md": {"accuracy": 50.0, "best_accuracy": 50.0,
+                                                  "teacher": {"entropy": 1.0, "agreement": 90.0}}}}))
+    points = mho.kd_teacher_points(mho._cells(runs, budget))
+    assert points == {("fedmho_md", "fmnist"): [(30.0, 8.0), (50.0, 0.0), (70.0, -8.0)]}  # no agreement: no SD point
+    out = tmp_path / "fedmho.md"
+    text = mho.kd_cost_report(runs, out)
+    row = next(x for x in text.splitlines() if x.startswith("| FedMHO-MD | FMNIST |"))
+    assert row == "| FedMHO-MD | FMNIST | 3 | 30.0-70.0 | +20.00 -0.400 x | -1.00 | 50.0 % |"
+    figure = tmp_path / f"fedmho-kd-teacher-{budget}.png"
+    assert figure.stat().st_size > 0 and f"]({figure.name})" in text
+
+
 def test_fedmho_lead_over_fedcvae_against_w0_fits_within_each_setting(tmp_path):
     from hetfl.reproduce import fedmho as mho
 

@@ -381,6 +381,55 @@ def kd_costs(cells: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]
     return points
 
 
+def kd_teacher_points(cells: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Per (KD variant, dataset), one ``(teacher agreement %, FedMHO - variant)`` point (final %) per
+    cell where the variant recorded its teacher (:func:`hetfl.fl.generative.teacher_stats`, runs since
+    the forty-third session) and plain FedMHO ran: how often the teacher's argmax is the synthetic
+    label, against what its KD term costs."""
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for s in cells:
+        r = s["results"]
+        if "fedmho" not in r:
+            continue
+        for m in KD_VARIANTS:
+            stats = r.get(m, {}).get("teacher")
+            if stats and stats.get("agreement") is not None:
+                points.setdefault((m, s["config"]["dataset"]), []).append(
+                    (stats["agreement"], r["fedmho"]["accuracy"] - r[m]["accuracy"]))
+    return points
+
+
+def _teacher_lines(points: dict[tuple[str, str], list[tuple[float, float]]], budget: str, path: Path) -> list[str]:
+    """The table and figure of :func:`kd_teacher_points` for one budget ([] without points)."""
+    from hetfl.report import plot_scatter_fits
+
+    if not points:
+        return []
+    lines = ["", f"Against the KD teacher (budget `{budget}`): x = % of the filtered synthetic samples whose label "
+             "the teacher's argmax gives (MD: the classifiers' mean logits; SD: w_0), y = FedMHO minus the "
+             "variant (final %), per dataset. Where the fit crosses 0 (shown for r <= -0.5), the KD term "
+             "starts to pay.",
+             "",
+             "| variant | dataset | points | agreement % (range) | fit: cost = a + b x agreement | r | pays above |",
+             "|---|---|---|---|---|---|---|"]
+    for (m, dataset), pts in sorted(points.items()):
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        fit, r, zero = "-", "-", "-"
+        line = _linear_fit(xs, ys)
+        if line is not None and len(set(ys)) > 1:
+            fit, r = f"{line.intercept:+.2f} {line.slope:+.3f} x", f"{statistics.correlation(xs, ys):.2f}"
+            if line.slope < 0 and statistics.correlation(xs, ys) <= -0.5:  # only where the line says much
+                zero = f"{-line.intercept / line.slope:.1f} %"
+        lines.append(f"| {LABELS[m]} | {dataset.upper()} | {len(pts)} | {min(xs):.1f}-{max(xs):.1f} | {fit} | {r} | "
+                     f"{zero} |")
+    figure = path.with_name(f"{path.stem}-kd-teacher-{budget}.png")
+    if plot_scatter_fits({f"{LABELS[m]}, {d.upper()}": pts for (m, d), pts in sorted(points.items())}, figure,
+                         "teacher agrees with the synthetic label (%)", "FedMHO - KD variant (final %)",
+                         f"FedMHO: KD cost against the teacher's agreement, budget {budget}"):
+        lines += ["", f"![KD cost against the teacher, {budget}]({figure.name})"]
+    return lines
+
+
 _LABELS_CACHE: dict[tuple[str, str, str], Any] = {}
 
 
@@ -506,6 +555,7 @@ def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
                              f"FedMHO: cost of the KD term, budget {budget}"):
             lines += ["", f"![KD cost, {budget}]({figure.name})"]
         lines += _class_cost_lines(kd_class_costs(main), budget, path)
+        lines += _teacher_lines(kd_teacher_points(main), budget, path)
         lines.append("")
     return "\n".join(lines)
 
