@@ -17,10 +17,12 @@ from hetfl.fl.training import TrainConfig, clip_per_client, local_train, local_t
 from hetfl.models import build_model
 
 
-def client_data(synthetic: ImageDataset, k: int, size: int) -> list[ImageDataset]:
+def client_data(synthetic: ImageDataset, k: int, size: int | list[int]) -> list[ImageDataset]:
     g = torch.Generator().manual_seed(7)
     order = torch.randperm(len(synthetic), generator=g)
-    return [synthetic.subset(order[i * size:(i + 1) * size]) for i in range(k)]
+    sizes = size if isinstance(size, list) else [size] * k
+    starts = [sum(sizes[:i]) for i in range(k)]
+    return [synthetic.subset(order[a:a + n]) for a, n in zip(starts, sizes)]
 
 
 def fresh(arch: str, k: int) -> list[nn.Module]:
@@ -32,9 +34,12 @@ def fresh(arch: str, k: int) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("arch", ["cnn2", "lenet5"])  # with BatchNorm (running statistics) and without
-def test_group_training_equals_one_client_at_a_time(synthetic_small, arch):
-    datas = client_data(synthetic_small.train, 3, 50)  # 50 = 3 batches of 16 and one of 2
-    cfg = TrainConfig(epochs=2, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4, channels_last=False)
+@pytest.mark.parametrize("sizes", [[50, 50, 50], [50, 37, 64]])  # 3 x 16 + 2; 2 x 16 + 5; 4 x 16
+def test_group_training_equals_one_client_at_a_time(synthetic_small, arch, sizes):
+    datas = client_data(synthetic_small.train, 3, sizes)
+    # lr 0.01: at 0.05 this tiny BN net amplifies float-order noise to 1e-3 within two epochs, as much
+    # between two one-client runs that differ only in memory layout
+    cfg = TrainConfig(epochs=2, batch_size=16, lr=0.01, momentum=0.9, weight_decay=1e-4, channels_last=False)
     alone, grouped = fresh(arch, 3), fresh(arch, 3)
     losses = [local_train(m, d, cfg, torch.device("cpu"), seed=s)["loss"]
               for m, d, s in zip(alone, datas, (1, 2, 3))]
@@ -44,7 +49,7 @@ def test_group_training_equals_one_client_at_a_time(synthetic_small, arch):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys()
         for name in sa:  # parameters and BN running statistics, each client its own
-            torch.testing.assert_close(sb[name], sa[name], rtol=1e-4, atol=2e-5)
+            torch.testing.assert_close(sb[name], sa[name], rtol=1e-4, atol=1e-5)
         assert all(p.is_contiguous() for p in b.parameters())
     # the clients really differ (not one model trained thrice)
     w = [m.state_dict()[next(iter(m.state_dict()))] for m in grouped]
@@ -71,8 +76,8 @@ def test_group_training_errors(synthetic_small):
     datas = client_data(synthetic_small.train, 2, 40)
     cfg = TrainConfig(epochs=1, batch_size=16)
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="one size"):
-        local_train_group(fresh("cnn2", 2), [datas[0], datas[1].subset(torch.arange(30))], cfg, cpu, [1, 2])
+    with pytest.raises(ValueError, match="non-empty dataset"):
+        local_train_group(fresh("cnn2", 2), [datas[0], datas[1].subset(torch.arange(0))], cfg, cpu, [1, 2])
     with pytest.raises(ValueError, match="one architecture"):
         local_train_group([*fresh("cnn2", 1), *fresh("lenet5", 1)], datas, cfg, cpu, [1, 2])
     with pytest.raises(ValueError, match="one dataset and one seed"):
@@ -96,7 +101,7 @@ def test_group_task_stamps_uploads_like_one_client_and_groups_only_what_can(synt
     with_weights = train_message("cnn2", (1, 16, 16), 4, cfg, 5, 9, weights=singles[0].tensors)
     assert group_key(with_weights, envs[0]) is None
     small = ClientEnv(3, datas[0].subset(torch.arange(20)), torch.device("cpu"))
-    assert group_key(messages[0], small) != group_key(messages[0], envs[0])
+    assert group_key(messages[0], small) == group_key(messages[0], envs[0])  # sizes may differ
     other = train_message("cnn2", (1, 16, 16), 4, TrainConfig(epochs=2, batch_size=16), 5, 9)
     assert group_key(other, envs[0]) != group_key(messages[0], envs[0])
     with pytest.raises(ValueError, match="one group key"):
@@ -105,7 +110,7 @@ def test_group_task_stamps_uploads_like_one_client_and_groups_only_what_can(synt
 
 def test_simulator_batches_equal_clients_and_caches_them_apart(tmp_path, tiny_config):
     cfg = copy.deepcopy(tiny_config)
-    cfg["partition"] = {"kind": "iid"}  # 3 clients of 160 / 3 -> sizes 54, 53, 53: two can batch
+    cfg["partition"] = {"kind": "iid"}  # 3 clients of 160 / 3: sizes 54, 53, 53, one batch of three
     cfg["client"]["channels_last"] = False
     cache = tmp_path / "cache"
     plain = Simulator(prepare(validate(cfg)), tmp_path / "a", cache, quiet=True).run()

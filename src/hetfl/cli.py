@@ -327,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--device", default=None,
                      help="cpu, cuda, cuda:1 ... (default: auto = a GPU if torch sees one; uploads cached per device)")
     rep.add_argument("--batch-clients", action="store_true",
-                     help="train each cell's from-scratch classifier clients of one architecture and data size "
-                          "as one vectorised batch (simulator.batch_clients: for a GPU; other bits, cached apart)")
+                     help="train each cell's from-scratch classifier clients of one architecture as one "
+                          "vectorised batch (simulator.batch_clients: for a GPU; other bits, cached apart)")
     rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
     rep.add_argument("--out", default=None, help="runs folder (default runs/reproduce-<paper>)")
     rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")

@@ -33,8 +33,8 @@ TOP_KEYS = {
 # uploads of one exchange, and for the SuperNodes to connect before the first exchange.
 FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
 # Settings of the in-process simulator (ignored by the Flower engine): ``batch_clients`` trains the
-# clients of one exchange whose requests allow it (from-scratch classifiers of one architecture,
-# training config and data size) as one vectorised batch, for accelerators that one small model leaves
+# clients of one exchange whose requests allow it (from-scratch classifiers of one architecture and
+# training config) as one vectorised batch, for accelerators that one small model leaves
 # idle. Their uploads then differ in the last bits from one-at-a-time training and are cached apart.
 SIMULATOR_KEYS = {"batch_clients": False}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}

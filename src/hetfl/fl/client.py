@@ -139,12 +139,12 @@ def train_classifier(message: Payload, env: ClientEnv) -> Payload:
 
 def _train_group_key(message: Payload, env: ClientEnv) -> tuple[Any, ...] | None:
     """From scratch only (a request with weights is a multi-round step: trained alone), one model
-    description, one training config, one data size."""
+    description and one training config; any data sizes (:func:`local_train_group` steps each client
+    through its own batches)."""
     m = message.meta
-    if message.tensors:
+    if message.tensors or len(env.data) == 0:
         return None
-    return (m["arch"], m["in_channels"], m["image_size"], m["num_classes"],
-            tuple(sorted(m["train"].items())), len(env.data))
+    return (m["arch"], m["in_channels"], m["image_size"], m["num_classes"], tuple(sorted(m["train"].items())))
 
 
 @client_group_task("train_classifier", key=_train_group_key)

@@ -163,23 +163,28 @@ def local_train_group(
 ) -> list[dict[str, float]]:
     """:func:`local_train` of several clients at once: each model on its own data with its own batch
     order (``seeds``), as one vectorised network (``torch.func.vmap`` over the stacked parameters, so a
-    convolution runs as one grouped convolution over every client). Client k's loss, gradient, BN
-    statistics and SGD update are its own: the step minimises the sum of the clients' losses, whose
+    convolution runs as one grouped convolution over the clients). Client k's loss, gradient, BN
+    statistics and SGD update are its own: a step minimises the sum of the clients' losses, whose
     gradient with respect to client k's parameters is client k's alone. On a GPU, where one client's
-    small kernels leave most of the device idle, this trades K launches for one; on a CPU it saves
-    Python overhead only. The models are updated in place and handed back in the default layout.
+    small kernels leave most of the device idle, this trades K launches for one; on a CPU it does not
+    pay (docs/BENCHMARKS.md). The models are updated in place and handed back in the default layout.
 
-    Needs one architecture (the same parameter and buffer names and shapes) and datasets of one size
-    (so every client takes the same number of equal-sized steps per epoch). The cross-entropy loss
+    The clients run their epochs in lockstep. Step t of an epoch takes every client that still has a
+    t-th batch; clients whose batches differ in size at that step (a last, smaller batch) run as
+    separate vmapped groups, and a client without a batch is left as it is. So clients of different
+    data sizes train exactly as alone; the largest sets the number of steps. The SGD step is
+    torch's (momentum buffer started from the first gradient, weight decay added to the gradient),
+    applied to the clients that took that step only.
+
+    Needs one architecture (the same parameter and buffer names and shapes). The cross-entropy loss
     only; ``channels_last`` is not applied (the stacked input is 5-d). Compared with the one-client
     loop the updates are equal up to float summation order (tested); randomness inside the model
     (dropout) draws from another stream, so a model with dropout gets other, equally likely, bits."""
     if not models or len(models) != len(datasets) or len(models) != len(seeds):
         raise ValueError(f"local_train_group needs one dataset and one seed per model, got {len(models)} "
                          f"models, {len(datasets)} datasets and {len(seeds)} seeds")
-    sizes = {len(d) for d in datasets}
-    if len(sizes) != 1:
-        raise ValueError(f"local_train_group needs datasets of one size, got sizes {sorted(sizes)}")
+    if any(len(d) == 0 for d in datasets):
+        raise ValueError("local_train_group needs a non-empty dataset per client")
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if any(s != shapes[0] for s in shapes[1:]) or len({type(m) for m in models}) != 1:
         raise ValueError("local_train_group needs models of one architecture (the same state names and shapes)")
@@ -194,25 +199,37 @@ def local_train_group(
         return F.cross_entropy(functional_call(skeleton, (p, b), (x,)), y)
 
     losses_of = vmap(client_loss, randomness="different")
-    opt = torch.optim.SGD(params.values(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    k = len(models)
+    sgd = _MaskedSGD(list(params.values()), cfg)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    k, n = len(models), sizes.pop()
     mean_loss = torch.full((k,), float("nan"))
     for epoch in range(cfg.epochs):
-        total, count = torch.zeros(k, dtype=torch.float64, device=device), 0
-        for idxs in zip(*(minibatches(n, cfg.batch_size, g) for g in generators)):
-            pairs = [d.batch(i, device) for d, i in zip(datasets, idxs)]
-            x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-            with autocast(device, cfg.precision):
-                losses = losses_of(params, buffers, x, y)
-            opt.zero_grad(set_to_none=True)
-            losses.sum().backward()
+        total = torch.zeros(k, dtype=torch.float64, device=device)
+        count = torch.zeros(k, dtype=torch.float64, device=device)
+        batches = [list(minibatches(len(d), cfg.batch_size, g)) for d, g in zip(datasets, generators)]
+        for step in range(max(len(b) for b in batches)):
+            by_size: dict[int, list[int]] = {}
+            for c in range(k):
+                if step < len(batches[c]):
+                    by_size.setdefault(len(batches[c][step]), []).append(c)
+            losses = []
+            for size, group in by_size.items():
+                pairs = [datasets[c].batch(batches[c][step], device) for c in group]
+                x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+                with autocast(device, cfg.precision):
+                    loss = _group_losses(losses_of, params, buffers, group, k, x, y)
+                losses.append(loss)
+                idx = torch.tensor(group, device=device)
+                total.index_add_(0, idx, loss.detach().double() * size)
+                count.index_add_(0, idx, torch.full((len(group),), float(size), dtype=torch.float64, device=device))
+            sgd.zero_grad()
+            torch.cat(losses).sum().backward()
             if cfg.grad_clip:
                 clip_per_client(list(params.values()), cfg.grad_clip)
-            opt.step()
-            total += losses.detach().double() * len(idxs[0])
-            count += len(idxs[0])
-        mean_loss = total.cpu() / max(count, 1)
+            active = torch.zeros(k, dtype=torch.bool, device=device)
+            active[[c for g in by_size.values() for c in g]] = True
+            sgd.step(active)
+        mean_loss = (total / count.clamp(min=1)).cpu()
         if progress is not None:
             progress(epoch + 1, float(mean_loss.mean()))
     with torch.no_grad():
@@ -222,6 +239,53 @@ def local_train_group(
             for name, tensor in model.named_buffers():
                 tensor.copy_(buffers[name][i])
     return [{"loss": float(v)} for v in mean_loss]
+
+
+def _group_losses(losses_of: Callable[..., torch.Tensor], params: dict[str, torch.Tensor],
+                  buffers: dict[str, torch.Tensor], group: list[int], k: int, x: torch.Tensor,
+                  y: torch.Tensor) -> torch.Tensor:
+    """The vmapped losses of clients ``group`` (of ``k``). All clients: on the stacked tensors, whose
+    buffers (BN statistics) update in place; a subset: on gathered copies, whose updated buffers are
+    written back."""
+    if len(group) == k:
+        return losses_of(params, buffers, x, y)
+    idx = torch.tensor(group, device=x.device)
+    some = {n: b.index_select(0, idx) for n, b in buffers.items()}
+    losses = losses_of({n: p.index_select(0, idx) for n, p in params.items()}, some, x, y)
+    with torch.no_grad():
+        for n, b in buffers.items():
+            b.index_copy_(0, idx, some[n])
+    return losses
+
+
+class _MaskedSGD:
+    """torch's SGD (momentum, dampening 0, weight decay on the gradient, no Nesterov) on stacked
+    parameters, stepping only the clients (dimension 0) marked ``active``: the others keep their
+    parameters and momentum buffers."""
+
+    def __init__(self, params: list[torch.Tensor], cfg: TrainConfig) -> None:
+        self.params, self.lr, self.momentum, self.weight_decay = params, cfg.lr, cfg.momentum, cfg.weight_decay
+        self.buffers: list[torch.Tensor | None] = [None] * len(params)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, active: torch.Tensor) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            mask = active.view(-1, *([1] * (p.dim() - 1)))
+            d_p = p.grad.add(p, alpha=self.weight_decay) if self.weight_decay else p.grad
+            if self.momentum:
+                buf = self.buffers[i]
+                if buf is None:  # torch starts the buffer at the first gradient (every client steps first)
+                    buf = self.buffers[i] = d_p.clone()
+                else:
+                    buf.copy_(torch.where(mask, buf * self.momentum + d_p, buf))
+                d_p = buf
+            p.sub_(torch.where(mask, d_p * self.lr, torch.zeros_like(d_p)))
 
 
 def clip_per_client(stacked: list[torch.Tensor], max_norm: float) -> None:
