@@ -6,8 +6,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-import pytest
-
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device-cells.sh"
 
 
@@ -209,4 +207,4 @@ def test_batch_clients_benchmark_reports_both_ways(tmp_path):
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["clients"] == 2 and row["device"] == "cpu" and row["alone_s"] > 0 and row["grouped_s"] > 0
-    assert row["speedup"] == pytest.approx(row["alone_s"] / row["grouped_s"], rel=0.02)
+    assert row["speedup"] == round(row["alone_s"] / row["grouped_s"], 2)
