@@ -111,7 +111,7 @@ def minibatches(n: int, batch_size: int, generator: torch.Generator, shuffle: bo
             yield idx
 
 
-def cross_entropy_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def cross_entropy_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
@@ -196,7 +196,7 @@ def local_train_group(
 
     def client_loss(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor,
                     y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(functional_call(skeleton, (p, b), (x,)), y)
+        return cross_entropy_loss(lambda inputs: functional_call(skeleton, (p, b), (inputs,)), x, y)
 
     losses_of = vmap(client_loss, randomness="different")
     k = len(models)
@@ -204,8 +204,7 @@ def local_train_group(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     mean_loss = torch.full((k,), float("nan"))
     for epoch in range(cfg.epochs):
-        total = torch.zeros(k, dtype=torch.float64, device=device)
-        count = torch.zeros(k, dtype=torch.float64, device=device)
+        total = torch.zeros(k, dtype=torch.float64, device=device)  # on the device: one sync per epoch
         batches = [list(minibatches(len(d), cfg.batch_size, g)) for d, g in zip(datasets, generators)]
         for step in range(max(len(b) for b in batches)):
             by_size: dict[int, list[int]] = {}
@@ -216,20 +215,20 @@ def local_train_group(
             for size, group in by_size.items():
                 pairs = [datasets[c].batch(batches[c][step], device) for c in group]
                 x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-                with autocast(device, cfg.precision):
-                    loss = _group_losses(losses_of, params, buffers, group, k, x, y)
-                losses.append(loss)
                 idx = torch.tensor(group, device=device)
+                with autocast(device, cfg.precision):
+                    loss = _group_losses(losses_of, params, buffers, idx if len(group) < k else None, x, y)
+                losses.append(loss)
                 total.index_add_(0, idx, loss.detach().double() * size)
-                count.index_add_(0, idx, torch.full((len(group),), float(size), dtype=torch.float64, device=device))
             sgd.zero_grad()
             torch.cat(losses).sum().backward()
             if cfg.grad_clip:
                 clip_per_client(list(params.values()), cfg.grad_clip)
-            active = torch.zeros(k, dtype=torch.bool, device=device)
-            active[[c for g in by_size.values() for c in g]] = True
-            sgd.step(active)
-        mean_loss = (total / count.clamp(min=1)).cpu()
+            stepped = [c for g in by_size.values() for c in g]
+            sgd.step(None if len(stepped) == k else torch.isin(torch.arange(k, device=device),
+                                                               torch.tensor(stepped, device=device)))
+        samples = torch.tensor([sum(len(i) for i in b) for b in batches], dtype=torch.float64)
+        mean_loss = total.cpu() / samples.clamp(min=1)
         if progress is not None:
             progress(epoch + 1, float(mean_loss.mean()))
     with torch.no_grad():
@@ -242,14 +241,13 @@ def local_train_group(
 
 
 def _group_losses(losses_of: Callable[..., torch.Tensor], params: dict[str, torch.Tensor],
-                  buffers: dict[str, torch.Tensor], group: list[int], k: int, x: torch.Tensor,
+                  buffers: dict[str, torch.Tensor], idx: torch.Tensor | None, x: torch.Tensor,
                   y: torch.Tensor) -> torch.Tensor:
-    """The vmapped losses of clients ``group`` (of ``k``). All clients: on the stacked tensors, whose
-    buffers (BN statistics) update in place; a subset: on gathered copies, whose updated buffers are
-    written back."""
-    if len(group) == k:
+    """The vmapped losses of the clients ``idx`` (None: all). All clients: on the stacked tensors,
+    whose buffers (BN statistics) update in place; a subset: on gathered copies, whose updated buffers
+    are written back."""
+    if idx is None:
         return losses_of(params, buffers, x, y)
-    idx = torch.tensor(group, device=x.device)
     some = {n: b.index_select(0, idx) for n, b in buffers.items()}
     losses = losses_of({n: p.index_select(0, idx) for n, p in params.items()}, some, x, y)
     with torch.no_grad():
@@ -260,8 +258,8 @@ def _group_losses(losses_of: Callable[..., torch.Tensor], params: dict[str, torc
 
 class _MaskedSGD:
     """torch's SGD (momentum, dampening 0, weight decay on the gradient, no Nesterov) on stacked
-    parameters, stepping only the clients (dimension 0) marked ``active``: the others keep their
-    parameters and momentum buffers."""
+    parameters, stepping only the clients (dimension 0) marked ``active`` (None: all, in place with no
+    mask, the common step): the others keep their parameters and momentum buffers."""
 
     def __init__(self, params: list[torch.Tensor], cfg: TrainConfig) -> None:
         self.params, self.lr, self.momentum, self.weight_decay = params, cfg.lr, cfg.momentum, cfg.weight_decay
@@ -272,20 +270,25 @@ class _MaskedSGD:
             p.grad = None
 
     @torch.no_grad()
-    def step(self, active: torch.Tensor) -> None:
+    def step(self, active: torch.Tensor | None = None) -> None:
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            mask = active.view(-1, *([1] * (p.dim() - 1)))
+            mask = None if active is None else active.view(-1, *([1] * (p.dim() - 1)))
             d_p = p.grad.add(p, alpha=self.weight_decay) if self.weight_decay else p.grad
             if self.momentum:
                 buf = self.buffers[i]
                 if buf is None:  # torch starts the buffer at the first gradient (every client steps first)
                     buf = self.buffers[i] = d_p.clone()
+                elif mask is None:
+                    buf.mul_(self.momentum).add_(d_p)
                 else:
                     buf.copy_(torch.where(mask, buf * self.momentum + d_p, buf))
                 d_p = buf
-            p.sub_(torch.where(mask, d_p * self.lr, torch.zeros_like(d_p)))
+            if mask is None:
+                p.sub_(d_p, alpha=self.lr)
+            else:
+                p.sub_(torch.where(mask, d_p * self.lr, 0.0))
 
 
 def clip_per_client(stacked: list[torch.Tensor], max_norm: float) -> None:
