@@ -414,12 +414,10 @@ def _teacher_lines(points: dict[tuple[str, str], list[tuple[float, float]]], bud
              "|---|---|---|---|---|---|---|"]
     for (m, dataset), pts in sorted(points.items()):
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        fit, r, zero = "-", "-", "-"
-        line = _linear_fit(xs, ys)
-        if line is not None and len(set(ys)) > 1:
-            fit, r = f"{line.intercept:+.2f} {line.slope:+.3f} x", f"{statistics.correlation(xs, ys):.2f}"
-            if line.slope < 0 and statistics.correlation(xs, ys) <= -0.5:  # only where the line says much
-                zero = f"{-line.intercept / line.slope:.1f} %"
+        fit, r, line, corr = _fit_columns(xs, ys)
+        zero = "-"
+        if line is not None and line.slope < 0 and corr <= -0.5:  # only where the line says much
+            zero = f"{-line.intercept / line.slope:.1f} %"
         lines.append(f"| {LABELS[m]} | {dataset.upper()} | {len(pts)} | {min(xs):.1f}-{max(xs):.1f} | {fit} | {r} | "
                      f"{zero} |")
     figure = path.with_name(f"{path.stem}-kd-teacher-{budget}.png")
@@ -519,6 +517,16 @@ def _class_cost_lines(points: dict[str, list[tuple[float, float]]], budget: str,
     return lines
 
 
+def _fit_columns(xs: list[float], ys: list[float]) -> tuple[str, str, Any, float]:
+    """A table's ``a + b x`` and ``r`` cells for ys on xs ("-" without a fit: under three points, a
+    constant x, or a constant y, which has no correlation), the line and r."""
+    line = _linear_fit(xs, ys)
+    if line is None or len(set(ys)) < 2:
+        return "-", "-", None, 0.0
+    r = statistics.correlation(xs, ys)
+    return f"{line.intercept:+.2f} {line.slope:+.3f} x", f"{r:.2f}", line, r
+
+
 def _linear_fit(xs: list[float], ys: list[float]) -> Any:
     """Least-squares line of ys on xs (``statistics.linear_regression``), or None with fewer than three
     points or a constant x."""
@@ -543,10 +551,7 @@ def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
                   "|---|---|---|---|---|---|"]
         for m, pts in points.items():
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            fit, r = "-", "-"
-            line = _linear_fit(xs, ys)
-            if line is not None and len(set(ys)) > 1:  # a constant cost has no correlation
-                fit, r = f"{line.intercept:+.2f} {line.slope:+.3f} x", f"{statistics.correlation(xs, ys):.2f}"
+            fit, r, _, _ = _fit_columns(xs, ys)
             lines.append(f"| {LABELS[m]} | {len(pts)} | {statistics.fmean(ys):.2f} | "
                          f"{sum(y > 0 for y in ys)} of {len(ys)} | {fit} | {r} |")
         figure = path.with_name(f"{path.stem}-kd-cost-{budget}.png")
