@@ -289,6 +289,25 @@ def test_feddf_gives_each_client_architecture_a_student_from_its_fedavg_and_vote
             Simulator(prepare(validate(cfg)), tmp_path / key, tmp_path / "cache", quiet=True).run()
 
 
+def test_feddf_bf16_tracks_fp32_and_hands_back_a_contiguous_student(tmp_path):
+    cfg = json.loads(json.dumps(SMOKE))
+    feddf = {"steps": 20, "eval_every": 10, "aux_size": 200, "prototypes": "all"}
+    cfg["client"].update(model=["cnn2", "lenet5", "cnn2"])
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        cfg["methods"] = {"feddf": {**feddf, "precision": precision}}
+        out = tmp_path / precision
+        runs[precision] = Simulator(prepare(validate(cfg)), out, tmp_path / "cache", quiet=True).run()["results"]
+        saved = load_file(str(out / "feddf" / "feddf.safetensors"))
+        assert all(t.is_contiguous() for t in saved.values())  # back from channels_last
+    fp32, bf16 = runs["fp32"]["feddf"], runs["bf16"]["feddf"]
+    assert abs(fp32["accuracy"] - bf16["accuracy"]) <= 5.0  # same uploads, same batches; bf16 rounding only
+    assert set(bf16["models"]) == {"feddf", "feddf[lenet5]", "feddf[vote]"}
+    cfg["methods"] = {"feddf": {**feddf, "precision": "fp16"}}
+    with pytest.raises(ValueError, match="precision must be fp32 or bf16"):
+        Simulator(prepare(validate(cfg)), tmp_path / "bad", tmp_path / "cache", quiet=True).run()
+
+
 def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch):
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedhydra": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,

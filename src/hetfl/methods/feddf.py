@@ -27,6 +27,11 @@ augmentation), not per step; that pass has its own progress bar and its seconds 
 most of the first evaluation interval (18.6 min against 1.9 s per student step on a 2-core AVX2 CPU).
 The teachers run in channels_last for that pass (VGG-9 inference 2.5 s per 1,000 images against
 3.2-3.7 s contiguous there; logits equal up to float summation order, 1.7e-8).
+
+``precision: bf16`` (ours, default fp32 as every archived run): bf16 autocast for the teachers' pass
+and the students' training forwards, with the students in channels_last too, for CPUs with native
+bf16 and for GPUs. The teacher logits are kept in fp32, the KL is taken in fp32, Adam's state and the
+weights stay fp32, and the engine's evaluations stay fp32. Measured in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from hetfl.fl.aggregate import Ensemble, vote, weighted_average
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.fl.training import predict_logits, prepare
+from hetfl.fl.training import autocast, check_precision, predict_logits, prepare
 from hetfl.methods.common import client_models, group_by_arch
 
 AUXILIARY = {"mnist": "fmnist", "fmnist": "mnist", "emnist": "mnist", "cifar10": "cifar100",
@@ -81,10 +86,11 @@ class FedDF(OneShotMethod):
     name = "feddf"
     defaults: dict[str, Any] = {"steps": 2000, "batch_size": 128, "lr": 1e-3, "temperature": 1.0,
                                 "aux_dataset": None, "aux_size": 0, "eval_every": 100, "init": "fedavg",
-                                "prototypes": "server"}
+                                "prototypes": "server", "precision": "fp32"}
 
     def check(self, ctx: ServerContext) -> None:
         p = self.params
+        check_precision(p["precision"])
         if p["init"] not in ("fedavg", "random"):
             raise ValueError(f"init must be fedavg (each student from its architecture's FedAvg) or random, "
                              f"got {p['init']!r}")
@@ -101,10 +107,11 @@ class FedDF(OneShotMethod):
         aux = auxiliary_images(aux_name, ctx, int(p["aux_size"]))
         start = time.perf_counter()  # one pass of every teacher over the auxiliary set: long with VGG-9s
         teachers = [prepare(m, ctx.device, channels_last=True) for m in models.values()]  # NHWC: faster convs
-        teacher_logits = predict_logits(
-            Ensemble(teachers), aux, ctx.device,
-            progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} images",
-                                                 unit="batch"))
+        with autocast(ctx.device, p["precision"]):
+            teacher_logits = predict_logits(
+                Ensemble(teachers), aux, ctx.device,
+                progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} "
+                                                     "images", unit="batch"))
         ctx.record["teacher_seconds"] = round(time.perf_counter() - start, 1)
         groups = group_by_arch(uploads)
         archs = [ctx.server_arch] + ([a for a in groups if a != ctx.server_arch] if p["prototypes"] == "all" else [])
@@ -134,6 +141,9 @@ class FedDF(OneShotMethod):
         """``steps`` Adam steps (cosine decay) of KL to the teacher logits on random auxiliary batches;
         evaluated every ``eval_every`` steps (only the headline student counts towards best accuracy)."""
         p = self.params
+        bf16 = p["precision"] == "bf16"
+        if bf16:  # NHWC: oneDNN's fast bf16 convolutions; handed back contiguous below
+            prepare(student, ctx.device, channels_last=True)
         opt = torch.optim.Adam(student.parameters(), lr=p["lr"])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p["steps"])
         g = torch.Generator().manual_seed(seed)
@@ -142,7 +152,9 @@ class FedDF(OneShotMethod):
             idx = torch.randint(0, len(aux), (p["batch_size"],), generator=g)
             student.train()
             x, _ = aux.batch(idx, ctx.device)
-            loss = kl_div(teacher_logits[idx.to(teacher_logits.device)], student(x), p["temperature"])
+            with autocast(ctx.device, p["precision"]):
+                out = student(x)
+            loss = kl_div(teacher_logits[idx.to(teacher_logits.device)], out.float(), p["temperature"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -151,3 +163,5 @@ class FedDF(OneShotMethod):
                 acc = ctx.evaluate(student)["accuracy"]
                 ctx.log(step, accuracy=acc, kd_loss=float(loss.detach()))
                 bar.set_postfix(acc=f"{acc:.2f}")
+        if bf16:  # hand the student back contiguous (as the uploads were built)
+            student.to(memory_format=torch.contiguous_format)
