@@ -83,6 +83,18 @@ def test_ensemble_is_the_weighted_mean_of_member_logits():
         assert torch.allclose(weighted, 0.25 * members[0](x) + 0.75 * members[1](x), atol=1e-6)
 
 
+def test_ensemble_averages_bf16_member_logits_in_fp32():
+    torch.manual_seed(0)
+    members = [build_model("cnn2", 1, 16, 4).eval(), build_model("lenet5", 1, 16, 4).eval()]
+    x = torch.rand(5, 1, 16, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        each = [m(x) for m in members]  # the members' own bf16 logits
+        got = Ensemble(members, [1, 3])(x)
+    assert each[0].dtype == torch.bfloat16 and got.dtype == torch.float32
+    expected = 0.25 * each[0].float() + 0.75 * each[1].float()  # no rounding of the average to bf16
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 def test_ledger_totals_per_client_and_round():
     ledger = CommLedger()
     ledger.add(1, 0, "down", 10)

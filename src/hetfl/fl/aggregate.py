@@ -35,7 +35,8 @@ def weighted_average(states: Sequence[dict[str, torch.Tensor]], weights: Sequenc
 
 
 class Ensemble(nn.Module):
-    """Weighted average of member logits (uniform by default): ``sum_k w_k F_k(x)``."""
+    """Weighted average of member logits (uniform by default): ``sum_k w_k F_k(x)``, in fp32 even under
+    bf16 autocast (the members may run in bf16; their average does not round to bf16)."""
 
     def __init__(self, members: Sequence[nn.Module], weights: Sequence[float] | None = None) -> None:
         super().__init__()
@@ -44,8 +45,9 @@ class Ensemble(nn.Module):
         self.register_buffer("weights", w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.stack([m(x) for m in self.members])  # (k, N, C)
-        return torch.tensordot(self.weights.to(logits.dtype), logits, dims=1)
+        logits = torch.stack([m(x).float() for m in self.members])  # (k, N, C)
+        with torch.autocast(device_type=logits.device.type, enabled=False):  # tensordot would autocast to bf16
+            return torch.tensordot(self.weights, logits, dims=1)
 
 
 def vote(members: Sequence[nn.Module]) -> Ensemble:

@@ -30,8 +30,9 @@ The teachers run in channels_last for that pass (VGG-9 inference 2.5 s per 1,000
 
 ``precision: bf16`` (ours, default fp32 as every archived run): bf16 autocast for the teachers' pass
 and the students' training forwards, with the students in channels_last too, for CPUs with native
-bf16 and for GPUs. The teacher logits are kept in fp32, the KL is taken in fp32, Adam's state and the
-weights stay fp32, and the engine's evaluations stay fp32. Measured in docs/BENCHMARKS.md.
+bf16 and for GPUs. The teachers' logits are averaged and kept in fp32 (:class:`Ensemble`), the KL is
+taken in fp32, Adam's state and the weights stay fp32, and the engine's evaluations stay fp32.
+Measured in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
