@@ -24,7 +24,8 @@
 # vgg9-e10), METHODS, DL (seconds from start when running cells are stopped; default 540), DEV
 # (default cuda), THREADS (torch CPU threads per process; default 2), JOBS (a cell's `--jobs`: its
 # clients once, then one worker per method on the cached uploads; a cell's setting may then be a
-# comma list, e.g. fmnist:0.5,0.3:0, one process for both), TESTS (1: also run the GPU tolerance test
+# comma list, e.g. fmnist:0.5,0.3:0, one process for both), CLIENT_JOBS (with JOBS: a cell's clients
+# trained first by this many processes side by side, each a round-robin shard, `--client-jobs`), TESTS (1: also run the GPU tolerance test
 # beside the cells), PACK_CACHE (1: also pack the upload caches, to run more methods on the same
 # uploads elsewhere; small models only), OUT (default ./device-out), PY (default python3), WORK (the
 # working folder, default device-work: two invocations side by side, e.g. with different METHODS,
@@ -48,7 +49,7 @@ cell() { # index dataset setting seed
   if [ "$l" -le 30 ]; then echo "skip $2 $3 $4: deadline" >> "$log"; return 0; fi
   echo "cell $2 $3 $4 start at $(( $(date +%s) - T0 ))s" >> "$log"
   timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
-    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} ${BATCH:+--batch-clients} \
+    --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} ${CLIENT_JOBS:+--client-jobs "$CLIENT_JOBS"} ${BATCH:+--batch-clients} \
     --device "$DEV" --data-root data --cache-dir "$work/cache/$1" --out "$work/runs/$1" \
     --results "$work/res/$1.md" --quiet >> "$log" 2>&1
   echo "cell $2 $3 $4 rc=$? at $(( $(date +%s) - T0 ))s" >> "$log"

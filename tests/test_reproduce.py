@@ -398,7 +398,8 @@ def test_reproduce_fedmho_jobs_trains_each_upload_once_before_its_workers(tmp_pa
 
     fast = {"cvae_epochs": 1, "cvae_lr": 1e-3, "num_samples": 60, "epochs": 1, "lr": 1e-3}
     cell = {**tiny_config, "device": "cpu", "methods": {"fedavg": {}, "fedmho": fast, "fedmho_md": fast}}
-    ready, later = _plan([validate(json.loads(json.dumps(cell)))], tmp_path / "plan")
+    plan = _plan([validate(json.loads(json.dumps(cell)))], tmp_path / "plan")
+    ready, later = plan.ready, plan.later
     assert [(j.methods, j.warm) for j in ready] == [(["fedavg"], ["fedmho", "fedmho_md"])]
     assert [j.methods for j in later["tiny"]] == [["fedmho"], ["fedmho_md"]]
     monkeypatch.setattr(fedmho, "grid", lambda *args, **kw: [json.loads(json.dumps(cell))])
@@ -412,6 +413,91 @@ def test_reproduce_fedmho_jobs_trains_each_upload_once_before_its_workers(tmp_pa
     assert results.read_text().startswith("# FedMHO reproduction")
     with pytest.raises(ValueError, match="fills the local upload cache"):
         Simulator(prepare(validate(cell)), tmp_path / "nocache", None, quiet=True).train_uploads({"fedmho": fast})
+
+
+def test_client_shards_deal_the_clients_round_robin_and_cover_each_once():
+    from hetfl.reproduce.common import client_shards
+
+    assert client_shards(10, 5) == [[0, 5], [1, 6], [2, 7], [3, 8], [4, 9]]  # one strong, one weak each
+    assert client_shards(3, 8) == [[0], [1], [2]]  # at most one shard per client
+    assert client_shards(4, 1) == [[0, 1, 2, 3]]
+    for n, k in ((7, 3), (10, 4), (1, 1)):
+        ids = sorted(c for shard in client_shards(n, k) for c in shard)
+        assert ids == list(range(n))
+    with pytest.raises(ValueError, match="client_jobs must be at least 1"):
+        client_shards(4, 0)
+
+
+def test_train_uploads_of_a_shard_trains_only_its_clients(tmp_path, tiny_config):
+    from hetfl.engine.simulator import Simulator, prepare
+
+    cfg = validate({**tiny_config, "device": "cpu", "methods": {"fedavg": {}}})
+    cache = tmp_path / "cache"
+    sim = Simulator(prepare(cfg), tmp_path / "a", cache, quiet=True)
+    assert sim.train_uploads({"fedavg": {}}, [2, 0]) == {"fedavg": 2}
+    assert len(list(cache.rglob("*.safetensors"))) == 2
+    sim = Simulator(prepare(cfg), tmp_path / "b", cache, quiet=True)
+    assert sim.train_uploads({"fedavg": {}}, [1]) == {"fedavg": 1}
+    assert sim.train_uploads({"fedavg": {}}) == {"fedavg": 3} and sim.cached_calls == 3  # all cached now
+    with pytest.raises(ValueError, match=r"no client \[3\] in a cell of 3 clients"):
+        sim.train_uploads({"fedavg": {}}, [1, 3])
+
+
+def test_parallel_cells_with_client_jobs_train_each_shard_once_and_give_the_same_results(tmp_path, tiny_config):
+    """--client-jobs: a cell's clients are trained by shard processes first (every method's uploads
+    for their own clients), then the clients' job and the method workers read them all from the
+    cache; the results equal the run without shards (a CPU's training is deterministic)."""
+    from hetfl.reproduce.common import run_cells_parallel
+
+    gen = {"epochs": 1, "generator_steps": 2, "batch_size": 16}
+    raw = {**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}, "dense": gen}}
+    one: list[str] = []
+    assert run_cells_parallel([raw], tmp_path / "one", tmp_path / "c1", None, jobs=2, threads=1,
+                              say=one.append) == []
+    lines: list[str] = []
+    archived: list[str] = []
+    assert run_cells_parallel([raw], tmp_path / "par", tmp_path / "c2", None, jobs=3, threads=1,
+                              say=lines.append, done=archived.append, client_jobs=2) == []
+    started = [line for line in lines if line.endswith("started")]
+    assert started == ["tiny: clients 0,2 started", "tiny: clients 1 started", "tiny: ensemble,fedavg started",
+                       "tiny: dense started"]
+    assert archived == ["tiny"]
+    par = json.loads((tmp_path / "par" / "tiny" / "summary.json").read_text())
+    seq = json.loads((tmp_path / "one" / "tiny" / "summary.json").read_text())
+    for m in raw["methods"]:
+        assert par["results"][m]["accuracy"] == seq["results"][m]["accuracy"], m
+        assert par["results"][m]["uploads_sha256"] == seq["results"][m]["uploads_sha256"], m
+        assert par["results"][m]["cached_uploads"] == 3, m  # none trained after the shards
+    parts = tmp_path / "par" / ".parts" / "tiny"
+    assert "shard: clients [0, 2], uploads {" in (parts / "clients-0.log").read_text()
+    assert not (parts / "clients-0").exists()  # its uploads are in the cache, its log stays
+    spec = json.loads((parts / "clients-1.json").read_text())
+    assert spec["clients"] == [1] and set(spec["warm"]) == {"ensemble", "fedavg", "dense"}
+    with pytest.raises(ValueError, match="client_jobs needs an upload cache"):
+        run_cells_parallel([raw], tmp_path / "x", None, None, jobs=2, client_jobs=2)
+
+
+def test_a_failed_shard_stops_its_cell(tmp_path, tiny_config, monkeypatch):
+    from hetfl.reproduce import common
+
+    raw = {**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}}}
+    monkeypatch.setattr(common, "client_shards", lambda n, k: [[0, 1], [7]])  # client 7 does not exist
+    lines: list[str] = []
+    failed = common.run_cells_parallel([raw], tmp_path, tmp_path / "cache", None, jobs=2, threads=1,
+                                       say=lines.append, client_jobs=2)
+    assert len(failed) == 1 and failed[0].startswith("tiny: clients 7 (") and failed[0].endswith("clients-1.log)")
+    assert "no client [7]" in (tmp_path / ".parts" / "tiny" / "clients-1.log").read_text()
+    assert not any("ensemble,fedavg started" in line for line in lines)  # the cell's clients' job never ran
+    assert not (tmp_path / "tiny" / "summary.json").exists()
+
+
+def test_client_jobs_must_be_positive_and_need_jobs(capsys):
+    from hetfl.cli import main
+
+    assert main(["reproduce", "fedmho", "--jobs", "2", "--client-jobs", "0"]) == 2
+    assert main(["reproduce", "fedhydra", "--client-jobs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--client-jobs must be at least 1" in err and "give --jobs 2 or more" in err
 
 
 def test_parallel_cells_report_a_failed_worker_with_its_log(tmp_path, tiny_config):

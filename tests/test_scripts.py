@@ -32,12 +32,13 @@ def test_device_script_passes_jobs_and_packs_the_cache_on_request(tmp_path):
     entry.parent.mkdir(parents=True)
     entry.write_bytes(b"upload")
     env = {**os.environ, "CELLS": "fmnist:0.5,0.3:0", "PAPER": "fedhydra", "JOBS": "8", "PACK_CACHE": "1",
-           "BATCH": "1", "DL": "60", "DEV": "cpu", "PY": "echo", "OUT": str(tmp_path / "out")}  # echo: no run
+           "BATCH": "1", "CLIENT_JOBS": "5", "DL": "60", "DEV": "cpu", "PY": "echo",
+           "OUT": str(tmp_path / "out")}  # echo: no run
     done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     log = (tmp_path / "device-work" / "logs" / "cell1.log").read_text()
     assert "reproduce fedhydra" in log and "--settings 0.5,0.3 --seeds 0" in log and "--jobs 8" in log
-    assert "--batch-clients" in log
+    assert "--batch-clients" in log and "--client-jobs 5" in log
     with tarfile.open(tmp_path / "out" / "cells.tgz") as tar:
         assert "device-work/cache/1/ab/ab12.safetensors" in tar.getnames()
 

@@ -176,6 +176,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.client_jobs < 1:
+        raise ConfigError(f"--client-jobs must be at least 1, got {args.client_jobs}")
+    if args.client_jobs > 1 and args.jobs < 2:
+        raise ConfigError("--client-jobs splits the clients' job of --jobs: give --jobs 2 or more as well")
     if args.paper == "fedmho":
         from hetfl.reproduce import fedmho
 
@@ -211,7 +215,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.jobs > 1:
         run_grid_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, archive,
-                          lambda: paper.write_results(root, results, notes))
+                          lambda: paper.write_results(root, results, notes), args.client_jobs)
         print(f"wrote {results}")
         return 0
     for i, cfg in enumerate(cells, 1):
@@ -337,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="worker processes at once; per cell every method's client uploads are trained "
                           "first, then every method runs in its own process on the cached uploads (keeps a GPU "
                           "busy)")
+    rep.add_argument("--client-jobs", type=int, default=1,
+                     help="with --jobs: split each cell's client training over this many processes first, "
+                          "each training a round-robin shard of the clients (a GPU is mostly idle under one)")
     rep.add_argument("--quiet", action="store_true")
     rep.set_defaults(func=cmd_reproduce)
 

@@ -14,6 +14,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -370,23 +371,31 @@ class Simulator:
                                              "ledger": ledger.records}))
         return method.models()
 
-    def train_uploads(self, methods: dict[str, dict[str, Any]]) -> dict[str, int]:
+    def train_uploads(self, methods: dict[str, dict[str, Any]],
+                      clients: Collection[int] | None = None) -> dict[str, int]:
         """Train the one-shot uploads of ``methods`` (name -> parameters, e.g. other methods of the
         same cell than the config runs) into the upload cache (or find them there) without running
-        their server stages; returns the accepted uploads per method.
+        their server stages; returns the accepted uploads per method. ``clients``: only these client
+        ids (a shard of the cell's clients, so that several processes can train one cell's clients
+        side by side, each a disjoint shard; default all).
         Methods then started in other processes read every upload from the cache: two processes that
         train the same request at once waste the work, and on a GPU they get different bytes, so
         the methods of one comparison would not share their client models."""
         if self.cache is None or self.transport is not None:
             raise ValueError("train_uploads fills the local upload cache: give the simulator a cache_dir "
                              "and no transport")
+        n = int(self.exp.cfg["clients"])
+        ids = list(range(n)) if clients is None else sorted(set(clients))
+        bad = [c for c in ids if not 0 <= c < n]
+        if bad:
+            raise ValueError(f"train_uploads: no client {bad} in a cell of {n} clients")
         counts: dict[str, int] = {}
         for name, params in methods.items():
             method = create_method(name, params)
             if not isinstance(method, OneShotMethod) or not method.needs_uploads:
                 continue
             ctx = self._context(name, CommLedger(), [], make_dir=False)
-            messages = {cid: method.client_message(cid, ctx) for cid in range(ctx.num_clients)}
+            messages = {cid: method.client_message(cid, ctx) for cid in ids}
             uploads = self._exchange(method, ctx, 0, messages, CommLedger(), {}, cacheable=True,
                                      desc=f"{name}: local training")
             counts[name] = len(uploads)

@@ -432,6 +432,26 @@ def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data
     return merge_results(out, prior, sim.run())
 
 
+def train_upload_shard(cfg: dict[str, Any], out: Path, cache: Path, data_root: str | None, quiet: bool,
+                       methods: dict[str, dict[str, Any]], clients: list[int]) -> dict[str, int]:
+    """Train the client uploads of ``methods`` (name -> parameters) for the client ids ``clients`` of
+    the cell ``cfg`` into ``cache``, and run no server stage: one shard of a cell's clients' job
+    (:func:`run_cells_parallel` with ``client_jobs``). Returns the accepted uploads per method."""
+    from hetfl.engine.simulator import Simulator, prepare
+
+    sim = Simulator(prepare({**cfg, "methods": methods}, data_root), out, cache, quiet=quiet, data_root=data_root)
+    return sim.train_uploads(methods, clients)
+
+
+def client_shards(num_clients: int, client_jobs: int) -> list[list[int]]:
+    """The client ids of a cell dealt round-robin into ``client_jobs`` shards (at most one per client):
+    with FedMHO's ten clients and five shards, each shard holds one strong and one weak client."""
+    if client_jobs < 1:
+        raise ValueError(f"client_jobs must be at least 1, got {client_jobs}")
+    n = min(client_jobs, num_clients)
+    return [list(range(k, num_clients, n)) for k in range(n)]
+
+
 # ---- parallel cells: one process per method on the cached uploads ----------------------------------
 CHEAP = ("ensemble", "fedavg")  # methods that only need the client uploads: they train the clients first
 
@@ -445,6 +465,7 @@ class _Job:
     proc: subprocess.Popen | None = None
     start: float = 0.0
     warm: list[str] = field(default_factory=list)  # methods whose uploads this job trains first
+    clients: list[int] | None = None  # a shard of the cell's clients: this job trains their uploads only
 
 
 def _start(job: _Job, cfg: dict[str, Any], cache: Path | None, data_root: str | None, quiet: bool,
@@ -454,7 +475,8 @@ def _start(job: _Job, cfg: dict[str, Any], cache: Path | None, data_root: str | 
     warm = {m: cfg["methods"][m] for m in job.warm} if cache else {}  # without a cache nothing is shared
     spec.write_text(json.dumps({"config": {**cfg, "methods": {m: cfg["methods"][m] for m in job.methods}},
                                 "out": str(job.out), "cache": str(cache) if cache else None,
-                                "data_root": data_root, "quiet": quiet, "threads": threads, "warm": warm}))
+                                "data_root": data_root, "quiet": quiet, "threads": threads, "warm": warm,
+                                "clients": job.clients}))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     with open(job.log, "w") as log:
         job.proc = subprocess.Popen([sys.executable, "-m", "hetfl.reproduce.worker", str(spec)],
@@ -501,29 +523,46 @@ def merge_finished_parts(root: Path, cells: list[dict[str, Any]] | None = None) 
     return merged
 
 
-def _plan(cells: list[dict[str, Any]], root: Path) -> tuple[list[_Job], dict[str, list[_Job]]]:
+@dataclass
+class _Plan:
+    ready: list[_Job]  # jobs that can start now
+    later: dict[str, list[_Job]]  # per cell: the method jobs that start when its clients' job is done
+    held: dict[str, _Job] = field(default_factory=dict)  # per cell: the clients' job, until its shards end
+    shards: dict[str, int] = field(default_factory=dict)  # per cell: shards still running or to start
+
+
+def _plan(cells: list[dict[str, Any]], root: Path, client_jobs: int = 1) -> _Plan:
     """Per unfinished cell: the clients' job (ready now; it trains every missing method's uploads) and
-    one job per other missing method (later)."""
-    ready: list[_Job] = []
-    later: dict[str, list[_Job]] = {}
+    one job per other missing method (later). With ``client_jobs`` > 1, that many shard jobs come
+    first (:func:`client_shards`), each training every missing method's uploads for its own clients,
+    and the clients' job is held until they all end (it then finds every upload in the cache)."""
+    plan = _Plan([], {})
     for cfg in cells:
         todo = missing_methods(cfg, prior_results(root / cfg["name"], cfg))
         if not todo:
             continue
+        name = cfg["name"]
         first = [m for m in todo if m in CHEAP] or todo[:1]
-        parts = root / ".parts" / cfg["name"]
+        parts = root / ".parts" / name
         parts.mkdir(parents=True, exist_ok=True)
         rest = [m for m in todo if m not in first]
         # the clients' job also trains the uploads the other methods ask for (FedMHO's CVAEs, say),
         # so that the workers started after it do not train the same request side by side
-        ready.append(_Job(cfg["name"], first, root / cfg["name"], parts / "clients.log", warm=rest))
-        later[cfg["name"]] = [_Job(cfg["name"], [m], parts / m, parts / f"{m}.log") for m in rest]
-    return ready, later
+        clients = _Job(name, first, root / name, parts / "clients.log", warm=rest)
+        shards = client_shards(int(cfg["clients"]), client_jobs) if client_jobs > 1 else []
+        if len(shards) > 1:
+            plan.ready += [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
+                           for k, ids in enumerate(shards)]
+            plan.held[name], plan.shards[name] = clients, len(shards)
+        else:
+            plan.ready.append(clients)
+        plan.later[name] = [_Job(name, [m], parts / m, parts / f"{m}.log") for m in rest]
+    return plan
 
 
-def _pending(cell: str, ready: list[_Job], running: list[_Job], later: dict[str, list[_Job]]) -> bool:
+def _pending(cell: str, plan: _Plan, running: list[_Job]) -> bool:
     """Whether a job of ``cell`` is still to start or running."""
-    return cell in later or any(j.cell == cell for j in (*ready, *running))
+    return cell in plan.later or cell in plan.held or any(j.cell == cell for j in (*plan.ready, *running))
 
 
 def worker_threads(cpus: int, jobs: int, startable: int) -> int:
@@ -542,7 +581,7 @@ def worker_threads(cpus: int, jobs: int, startable: int) -> int:
 def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
                        jobs: int, quiet: bool = True, threads: int | None = None,
                        say: Callable[[str], None] = print,
-                       done: Callable[[str], Any] | None = None) -> list[str]:
+                       done: Callable[[str], Any] | None = None, client_jobs: int = 1) -> list[str]:
     """Run every unfinished method of ``cells`` with up to ``jobs`` worker processes at once.
 
     Per cell, one job first trains the client uploads of every missing method into the upload cache
@@ -557,41 +596,48 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     cell with nothing left to run), e.g. to archive it. Returns the failed jobs (``cell: methods
     (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the same call resumes (a
     worker that finished but was not merged is merged first: :func:`merge_finished_parts`).
+
+    ``client_jobs`` > 1 splits each cell's client training over that many processes first, each
+    training one shard of the clients (:func:`client_shards`) for every missing method; the clients'
+    job then finds every upload in the cache. On a GPU, one process's small kernels leave it mostly
+    idle, and cells side by side have shown that processes fill it (seven of them kept an H100
+    99-100 % busy), so shards should train a cell's clients in a fraction of the time; that is not
+    yet measured. A shard is a ``jobs`` slot like any worker. Each client's upload is the one a
+    single process would train (same seed and request; under ``batch_clients`` a shard batches only
+    its own clients). A failed shard stops its cell's other jobs from starting.
     """
     from hetfl.config import validate
 
+    if client_jobs > 1 and cache is None:
+        raise ValueError("client_jobs needs an upload cache: the shards share their uploads through it")
     cells = [validate(c) for c in cells]  # a finished method is recognised by its validated config
     for line in merge_finished_parts(root, cells):  # workers that ended after their parent was stopped
         say(f"{line} merged (finished in an earlier call)")
     by_name = {c["name"]: c for c in cells}
-    ready, later = _plan(cells, root)
+    plan = _plan(cells, root, client_jobs)
     running: list[_Job] = []
     failed: list[str] = []
     for name in by_name if done is not None else ():
-        if name not in later:  # finished before this call
+        if name not in plan.later:  # finished before this call
             done(name)
     try:
-        while ready or running:
-            while ready and len(running) < jobs:
-                job = ready.pop(0)
+        while plan.ready or running:
+            while plan.ready and len(running) < jobs:
+                job = plan.ready.pop(0)
                 _start(job, by_name[job.cell], cache, data_root, quiet,
-                       threads or worker_threads(os.cpu_count() or 1, jobs, len(running) + 1 + len(ready)))
+                       threads or worker_threads(os.cpu_count() or 1, jobs, len(running) + 1 + len(plan.ready)))
                 running.append(job)
-                say(f"{job.cell}: {','.join(job.methods)} started")
+                say(f"{job.cell}: {_label(job)} started")
             time.sleep(0.2)
             for job in [j for j in running if j.proc is not None and j.proc.poll() is not None]:
                 running.remove(job)
                 ok = job.proc is not None and job.proc.returncode == 0
-                say(f"{job.cell}: {','.join(job.methods)} {'done' if ok else 'FAILED'} "
+                say(f"{job.cell}: {_label(job)} {'done' if ok else 'FAILED'} "
                     f"({(time.perf_counter() - job.start) / 60:.1f} min)")
                 if not ok:
-                    failed.append(f"{job.cell}: {','.join(job.methods)} ({job.log})")
-                if job.out == root / job.cell:  # the clients' job: the other methods may start now
-                    rest = later.pop(job.cell)
-                    ready.extend(rest if ok else [])
-                elif ok:
-                    _merge_part(by_name[job.cell], root / job.cell, job)
-                if done is not None and not _pending(job.cell, ready, running, later):
+                    failed.append(f"{job.cell}: {_label(job)} ({job.log})")
+                _advance(plan, job, ok, root, by_name)
+                if done is not None and not _pending(job.cell, plan, running):
                     done(job.cell)
     except KeyboardInterrupt:
         _stop(running)
@@ -599,14 +645,40 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     return failed
 
 
+def _label(job: _Job) -> str:
+    return ",".join(job.methods) if job.clients is None else f"clients {','.join(map(str, job.clients))}"
+
+
+def _advance(plan: _Plan, job: _Job, ok: bool, root: Path, by_name: dict[str, dict[str, Any]]) -> None:
+    """What an ended job lets start: a cell's last shard its clients' job, the clients' job the
+    method jobs; a finished method job is merged into its cell. A failed shard or clients' job drops
+    the cell's jobs that were to follow it."""
+    cell = job.cell
+    if job.clients is not None:  # a shard of the cell's clients
+        plan.shards[cell] -= 1
+        if not ok:
+            plan.held.pop(cell, None)
+            plan.later.pop(cell, None)
+            return
+        shutil.rmtree(job.out, ignore_errors=True)  # its uploads are in the cache, its log stays
+        if plan.shards[cell] == 0 and cell in plan.held:
+            plan.ready.append(plan.held.pop(cell))
+    elif job.out == root / cell:  # the clients' job: the other methods may start now
+        rest = plan.later.pop(cell, [])
+        plan.ready.extend(rest if ok else [])
+    elif ok:
+        _merge_part(by_name[cell], root / cell, job)
+
+
 def run_grid_parallel(cells: list[dict[str, Any]], root: Path, cache: Path, data_root: str | None, jobs: int,
-                      archive: Callable[[str], Any], write_report: Callable[[], Any]) -> None:
-    """A paper's grid with ``--jobs``: :func:`run_cells_parallel` (archiving each cell when it is done),
-    then the results file; raises :class:`hetfl.config.ConfigError` naming the failed jobs' logs."""
+                      archive: Callable[[str], Any], write_report: Callable[[], Any], client_jobs: int = 1) -> None:
+    """A paper's grid with ``--jobs`` (and ``--client-jobs``): :func:`run_cells_parallel` (archiving
+    each cell when it is done), then the results file; raises :class:`hetfl.config.ConfigError` naming
+    the failed jobs' logs."""
     from hetfl.config import ConfigError
 
     failed = run_cells_parallel(cells, root, cache, data_root, jobs, quiet=True,
-                                say=lambda line: print(line, flush=True), done=archive)
+                                say=lambda line: print(line, flush=True), done=archive, client_jobs=client_jobs)
     write_report()
     if failed:
         raise ConfigError("these jobs failed (see their logs): " + "; ".join(failed))

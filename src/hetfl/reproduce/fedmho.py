@@ -997,7 +997,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "jobs", 1) > 1:  # clients first (every method's uploads), then a worker per method
         common.run_grid_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs,
                                  lambda name: common.archive_and_say(root, name, results),
-                                 lambda: write_results(root, results, notes))
+                                 lambda: write_results(root, results, notes), getattr(args, "client_jobs", 1))
         print(f"wrote {results}")
         return 0
     for i, cfg in enumerate(cells, 1):

@@ -4,7 +4,9 @@ The job file names a cell config (restricted to the methods to run), an output f
 cache, the data root and the torch thread count, and optionally ``warm``: the other methods of the
 cell (with their parameters), whose client uploads the worker trains into the cache first, so that
 the workers started after it all read the same uploads. The worker then runs the missing methods
-there and stamps its wall-clock minutes into ``summary.json``. See :func:`hetfl.reproduce.common.run_cells_parallel`.
+there and stamps its wall-clock minutes into ``summary.json``. A job with ``clients`` (a shard of
+the cell's clients) only trains the ``warm`` methods' uploads of those clients into the cache. See
+:func:`hetfl.reproduce.common.run_cells_parallel`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(job["threads"]))
     out = Path(job["out"])
     start = time.perf_counter()
+    if job.get("clients") is not None:  # one shard of a cell's clients: uploads only
+        return train_shard(job, out, start)
     try:
         summary = run_missing_methods(job["config"], out, Path(job["cache"]) if job["cache"] else None,
                                       job["data_root"], bool(job["quiet"]), warm=job.get("warm"))
@@ -35,6 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     if "minutes" not in summary:  # a summary returned unchanged (nothing left to run) keeps its minutes
         summary["minutes"] = (time.perf_counter() - start) / 60
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def train_shard(job: dict, out: Path, start: float) -> int:
+    """Train the uploads of the job's ``warm`` methods for its ``clients`` into the cache; print the
+    accepted uploads per method and the minutes (the job's log keeps them)."""
+    from hetfl.reproduce.common import train_upload_shard
+
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        counts = train_upload_shard(job["config"], out, Path(job["cache"]), job["data_root"], bool(job["quiet"]),
+                                    job["warm"], job["clients"])
+    except KeyboardInterrupt:
+        print("worker: interrupted (uploads cached so far are kept)", file=sys.stderr)
+        return 130
+    print(f"shard: clients {job['clients']}, uploads {counts}, {(time.perf_counter() - start) / 60:.2f} min")
     return 0
 
 
