@@ -549,8 +549,8 @@ def _plan(cells: list[dict[str, Any]], root: Path, client_jobs: int = 1) -> _Pla
         # the clients' job also trains the uploads the other methods ask for (FedMHO's CVAEs, say),
         # so that the workers started after it do not train the same request side by side
         clients = _Job(name, first, root / name, parts / "clients.log", warm=rest)
-        shards = client_shards(int(cfg["clients"]), client_jobs) if client_jobs > 1 else []
-        if len(shards) > 1:
+        shards = client_shards(int(cfg["clients"]), client_jobs)
+        if len(shards) > 1:  # else the clients' job trains them all, as without client_jobs
             plan.ready += [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
                            for k, ids in enumerate(shards)]
             plan.held[name], plan.shards[name] = clients, len(shards)
