@@ -8,6 +8,9 @@
 # methods one after another (METHODS, comma-separated; default: the paper's own list), so a cell
 # killed at the deadline keeps the methods it finished (each is written to summary.json as it ends).
 # A method whose worker finished just before the deadline stopped the cell is merged at the end.
+# A client still in local training at the deadline saves its step on SIGTERM (within 30 s), and the
+# same command on the same warm machine (its work folder kept) goes on from there: a long client job
+# (the `paper` budgets) can span two calls.
 # A GPU is saturated by about seven such processes (nvidia-smi showed 99-100 % busy). At the end,
 # the summaries, metrics and partitions and every log go to $OUT/cells.tgz. To archive the cells
 # (a cell that lacks some of its archived copy's methods goes to partial/<folder>/, named after the
@@ -48,7 +51,7 @@ cell() { # index dataset setting seed
   l=$(left)
   if [ "$l" -le 30 ]; then echo "skip $2 $3 $4: deadline" >> "$log"; return 0; fi
   echo "cell $2 $3 $4 start at $(( $(date +%s) - T0 ))s" >> "$log"
-  timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
+  timeout -k 30 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
     --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} ${CLIENT_JOBS:+--client-jobs "$CLIENT_JOBS"} ${BATCH:+--batch-clients} \
     --device "$DEV" --data-root data --cache-dir "$work/cache/$1" --out "$work/runs/$1" \
     --results "$work/res/$1.md" --quiet >> "$log" 2>&1

@@ -285,3 +285,52 @@ def test_imported_uploads_from_another_device_are_used_byte_for_byte(tmp_path, t
         import_uploads(gpu, tmp_path / "other", torch.device("cpu"))
     with pytest.raises(PayloadError, match="no upload-cache entries"):
         import_uploads(tmp_path / "empty", tmp_path / "other", torch.device("cpu"))
+
+
+class _Killed(Exception):
+    """Stands in for a process killed in the middle of a client's local training."""
+
+
+def _kill_client_1_in_epoch_2(monkeypatch):
+    make_env = Simulator._env
+
+    def killed_in_epoch_2_of_client_1(self, cid, states, bar=None, label=""):
+        env = make_env(self, cid, states, bar, label)
+        if cid == 1:
+            def progress(epoch, _loss):
+                if epoch == 2:
+                    raise _Killed
+            env.progress = progress
+        return env
+
+    monkeypatch.setattr(Simulator, "_env", killed_in_epoch_2_of_client_1)
+    return make_env
+
+
+def test_a_client_killed_in_local_training_resumes_from_its_checkpoint(tmp_path, tiny_config, monkeypatch, caplog):
+    clean = tmp_path / "clean"
+    reference = run(tiny_config, tmp_path / "ref", clean)
+    cache = tmp_path / "cache"
+    make_env = _kill_client_1_in_epoch_2(monkeypatch)
+    with pytest.raises(_Killed):
+        run(tiny_config, tmp_path / "a", cache, checkpoint_every_s=0)
+    partial = list((cache / "partial").iterdir())
+    assert len(partial) == 1 and Payload.from_bytes(partial[0].read_bytes()).meta["epoch"] == 1
+    monkeypatch.setattr(Simulator, "_env", make_env)
+    with caplog.at_level("WARNING", logger="hetfl"):
+        resumed = run(tiny_config, tmp_path / "b", cache, checkpoint_every_s=0)
+    assert "client 1: local training goes on from its checkpoint" in caplog.text
+    assert not list((cache / "partial").iterdir())  # cleared once the upload is stored
+    uploads = {p.relative_to(cache): p.read_bytes() for p in cache.glob("??/*.safetensors")}
+    assert uploads == {p.relative_to(clean): p.read_bytes() for p in clean.glob("??/*.safetensors")}
+    assert resumed["results"]["fedavg"]["accuracy"] == reference["results"]["fedavg"]["accuracy"]
+    assert resumed["results"]["fedavg"]["cached_uploads"] == 1  # client 0 finished before the kill
+    info = UploadCache(cache).info(partial[0].stem)
+    assert info["seconds"] > info["resumed_after_seconds"] > 0
+
+
+def test_with_checkpoints_off_a_killed_client_leaves_nothing(tmp_path, tiny_config, monkeypatch):
+    _kill_client_1_in_epoch_2(monkeypatch)
+    with pytest.raises(_Killed):
+        run(tiny_config, tmp_path / "a", tmp_path / "cache", checkpoint_every_s=None)
+    assert not (tmp_path / "cache" / "partial").exists()

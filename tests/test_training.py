@@ -1,11 +1,16 @@
+import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hetfl.fl import training
 from hetfl.fl.method import derive_seed, sample_clients
-from hetfl.fl.training import TrainConfig, accuracy_report, evaluate, local_train, minibatches
+from hetfl.fl.payload import Payload
+from hetfl.fl.training import TrainCheckpoint, TrainConfig, accuracy_report, evaluate, local_train, minibatches
 from hetfl.models import build_model
 
 CPU = torch.device("cpu")
@@ -111,3 +116,138 @@ def test_predict_logits_with_a_progress_wrapper_sees_every_batch_and_gives_the_s
     wrapped = training.predict_logits(model, synthetic_small.test, CPU, batch_size=7, progress=wrap)
     assert torch.equal(plain, wrapped)
     assert seen == list(range(0, len(synthetic_small.test), 7))
+
+
+class _Stop(Exception):
+    """Stands in for a killed process."""
+
+
+def _dropout_net(num_classes: int = 4) -> torch.nn.Module:
+    """A small net with dropout: its training draws from the default random stream, which a resume
+    must restore."""
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 32), torch.nn.ReLU(),
+                               torch.nn.Dropout(0.5), torch.nn.Linear(32, num_classes))
+
+
+def _stop_after(epoch_to_stop: int, seen: list[int]):
+    def progress(epoch: int, _loss: float) -> None:
+        seen.append(epoch)
+        if epoch == epoch_to_stop:
+            raise _Stop
+
+    return progress
+
+
+def _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen):
+    torch.manual_seed(99)  # as in a new process: another default stream and another initialisation
+    resumed = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 32), torch.nn.ReLU(),
+                                  torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+    seen.clear()
+    stats = local_train(resumed, data, cfg, CPU, seed=3, progress=_stop_after(-1, seen), checkpoint=checkpoint)
+    assert stats == ref_stats
+    ref_state, state = reference.state_dict(), resumed.state_dict()
+    assert all(torch.equal(ref_state[k], state[k]) for k in ref_state)
+
+
+def test_interrupted_local_training_resumes_to_the_same_bits(tmp_path, synthetic_small):
+    data, cfg = synthetic_small.train, TrainConfig(epochs=5, batch_size=32, lr=0.05)
+    reference = _dropout_net()
+    ref_stats = local_train(reference, data, cfg, CPU, seed=3)
+    checkpoint = TrainCheckpoint(tmp_path / "partial" / "c.safetensors", every_s=0)  # after every step
+    seen: list[int] = []
+    with pytest.raises(_Stop):
+        local_train(_dropout_net(), data, cfg, CPU, seed=3, progress=_stop_after(3, seen), checkpoint=checkpoint)
+    saved = Payload.from_bytes(checkpoint.path.read_bytes())
+    assert (saved.meta["epoch"], saved.meta["step"], saved.meta["count"]) == (2, 8, 240)  # 240 images, 8 batches
+    assert {"momentum.0", "rng.batches", "rng.cpu", "epoch_loss"} <= set(saved.tensors)
+    assert "rng.cuda" not in saved.tensors and checkpoint.saved_seconds() > 0
+    _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen)
+    assert seen == [3, 4, 5]
+    checkpoint.clear()
+    assert not checkpoint.path.exists()
+
+
+def test_a_stop_signal_in_mid_epoch_saves_that_step_and_the_resume_gives_the_same_bits(tmp_path, synthetic_small):
+    data, cfg = synthetic_small.train, TrainConfig(epochs=3, batch_size=32, lr=0.05)
+    reference = _dropout_net()
+    ref_stats = local_train(reference, data, cfg, CPU, seed=3)
+    calls = []
+
+    def ctrl_c_in_step_11(model, x, y):  # epoch 2, its third batch
+        calls.append(1)
+        if len(calls) == 11:
+            signal.raise_signal(signal.SIGINT)  # held back until the step is done
+        return F.cross_entropy(model(x), y)
+
+    checkpoint = TrainCheckpoint(tmp_path / "c.safetensors", every_s=1e9)  # no timed save
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        local_train(_dropout_net(), data, cfg, CPU, seed=3, loss_fn=ctrl_c_in_step_11, checkpoint=checkpoint)
+    assert len(calls) == 11 and signal.getsignal(signal.SIGINT) is handler
+    saved = Payload.from_bytes(checkpoint.path.read_bytes()).meta
+    assert (saved["epoch"], saved["step"], saved["count"]) == (1, 3, 96)
+    seen: list[int] = []
+    _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen)
+    assert seen == [2, 3]
+
+
+def test_sigterm_saves_the_step_before_the_process_ends(tmp_path, synthetic_small):
+    script = f"""
+import os, signal, torch, torch.nn.functional as F
+from pathlib import Path
+from hetfl.data.synthetic import load_synthetic
+from hetfl.fl.training import TrainCheckpoint, TrainConfig, local_train
+torch.set_num_threads({torch.get_num_threads()})
+data = load_synthetic(classes=4, channels=1, size=16, train_per_class=60, test_per_class=30, seed=3).train
+calls = []
+def loss_fn(model, x, y):
+    calls.append(1)
+    if len(calls) == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return F.cross_entropy(model(x), y)
+torch.manual_seed(1)
+net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(256, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                          torch.nn.Linear(32, 4))
+local_train(net, data, TrainConfig(epochs=3, batch_size=32, lr=0.05), torch.device("cpu"), seed=3, loss_fn=loss_fn,
+            checkpoint=TrainCheckpoint(Path({str(tmp_path / "c.safetensors")!r}), every_s=1e9))
+print("not stopped")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "not stopped" not in done.stdout
+    checkpoint = TrainCheckpoint(tmp_path / "c.safetensors")
+    assert Payload.from_bytes(checkpoint.path.read_bytes()).meta["step"] == 5
+    cfg = TrainConfig(epochs=3, batch_size=32, lr=0.05)
+    reference = _dropout_net()
+    ref_stats = local_train(reference, synthetic_small.train, cfg, CPU, seed=3)
+    seen: list[int] = []
+    _resume_and_compare(checkpoint, synthetic_small.train, cfg, reference, ref_stats, seen)
+    assert seen == [1, 2, 3]
+
+
+def test_a_checkpoint_of_another_training_or_a_torn_one_is_ignored(tmp_path, synthetic_small):
+    data, cfg = synthetic_small.train, TrainConfig(epochs=2, batch_size=32, lr=0.05)
+    checkpoint = TrainCheckpoint(tmp_path / "c.safetensors", every_s=0)
+    with pytest.raises(_Stop):
+        local_train(_dropout_net(), data, cfg, CPU, seed=3, progress=_stop_after(2, []), checkpoint=checkpoint)
+    assert checkpoint.path.is_file()
+    blob = checkpoint.path.read_bytes()
+    fresh = _dropout_net()
+    local_train(fresh, data, cfg, CPU, seed=3)
+    for other, why in ((dict(cfg=TrainConfig(epochs=2, batch_size=32, lr=0.1)), "another training configuration"),
+                       (dict(seed=4), "another training configuration or seed"),
+                       (dict(model=_dropout_net(num_classes=5)), "other names or shapes")):
+        seen: list[int] = []
+        args = {"model": _dropout_net(), "cfg": cfg, "seed": 3, **other}
+        with pytest.warns(UserWarning, match=why):
+            local_train(args["model"], data, args["cfg"], CPU, seed=args["seed"], progress=_stop_after(-1, seen),
+                        checkpoint=TrainCheckpoint(checkpoint.path, every_s=1e9))
+        assert seen == [1, 2]  # started over
+        checkpoint.path.write_bytes(blob)
+    checkpoint.path.write_bytes(blob[:100])  # a file cut short
+    assert checkpoint.saved_seconds() == 0.0
+    model = _dropout_net()
+    with pytest.warns(UserWarning, match="not used .*training starts over"):
+        local_train(model, data, cfg, CPU, seed=3, checkpoint=checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -41,7 +41,7 @@ from hetfl.fl.method import (
     sample_clients,
 )
 from hetfl.fl.payload import Payload, PayloadError, json_safe
-from hetfl.fl.training import TrainConfig, bf16_native, evaluate
+from hetfl.fl.training import TrainCheckpoint, TrainConfig, bf16_native, evaluate
 from hetfl.host import malloc_setting
 
 log = logging.getLogger("hetfl")
@@ -124,8 +124,11 @@ class Simulator:
 
     def __init__(self, exp: Experiment, out_dir: Path, cache_dir: Path | None = None,
                  quiet: bool = False, resume: bool = True, data_root: str | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, checkpoint_every_s: float | None = 120.0) -> None:
         self.exp = exp
+        # a client whose upload goes to the cache saves its local training this often (None: never),
+        # under the cache key, and resumes from it when interrupted (hetfl.fl.training.TrainCheckpoint)
+        self.checkpoint_every_s = checkpoint_every_s
         # ``simulator.batch_clients``: train the clients of one exchange whose requests share a group
         # key as one vectorised batch (hetfl.fl.client.handle_group); other bits than one client at a
         # time, so their uploads are cached under keys of their own
@@ -245,18 +248,29 @@ class Simulator:
         upload = self.cache.get(key) if key and trained is None else None
         if upload is None:
             start = time.perf_counter()
+            checkpoint = None
             if trained is not None:
                 upload, seconds = trained
             else:
-                upload = handle(message, self._env(cid, states, bar))
-                seconds = time.perf_counter() - start
+                env = self._env(cid, states, bar)
+                if key and self.checkpoint_every_s is not None:
+                    checkpoint = env.checkpoint = TrainCheckpoint(self.cache.partial_path(key), self.checkpoint_every_s)
+                prior = checkpoint.saved_seconds() if checkpoint else 0.0  # trained before a resume
+                if prior:
+                    log.warning("client %d: local training goes on from its checkpoint (%.0f s of it done "
+                                "before): %s", cid, prior, checkpoint.path)
+                upload = handle(message, env)
+                seconds = prior + time.perf_counter() - start
             if key:
                 # the thread count is recorded, not keyed: CPU kernels split their sums by thread,
                 # so retraining with another count gives other bits (a cached upload is reused as is)
                 self.cache.put(key, upload, {"fingerprint": self._fingerprint(cid), "request": message.meta,
                                              "request_tensors": sorted(message.tensors),
                                              "keyed_for": {"torch": torch.__version__, "device": exp.device.type},
-                                             "seconds": seconds, "torch_threads": torch.get_num_threads()})
+                                             "seconds": seconds, "torch_threads": torch.get_num_threads(),
+                                             **({"resumed_after_seconds": prior} if checkpoint and prior else {})})
+            if checkpoint is not None:
+                checkpoint.clear()
         else:  # report the time it took when it was trained, so cached methods show the same cost
             seconds = float(self.cache.info(key).get("seconds", 0.0))
             self.cached_calls += 1

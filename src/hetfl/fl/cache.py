@@ -79,6 +79,11 @@ class UploadCache:
             path.unlink(missing_ok=True)
             return None
 
+    def partial_path(self, key: str) -> Path:
+        """Where the client training for ``key`` keeps a resumable state until its upload is stored
+        (:class:`hetfl.fl.training.TrainCheckpoint`)."""
+        return self.root / "partial" / f"{key}.safetensors"
+
     def has(self, key: str) -> bool:
         """Whether an upload is stored under ``key`` (without reading it)."""
         return self._path(key).is_file()

@@ -18,7 +18,7 @@ import torch
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.payload import Payload, PayloadError, state_payload
-from hetfl.fl.training import TrainConfig, local_train, local_train_group
+from hetfl.fl.training import TrainCheckpoint, TrainConfig, local_train, local_train_group
 from hetfl.models import build_model
 
 
@@ -31,6 +31,8 @@ class ClientEnv:
     device: torch.device
     state: dict[str, Any] = field(default_factory=dict)
     progress: Callable[[int, float], None] | None = None  # (epoch, loss) callback for progress bars
+    # where a long local training may keep a resumable state (an engine that can key it by the request)
+    checkpoint: TrainCheckpoint | None = None
 
 
 ClientTask = Callable[[Payload, ClientEnv], Payload]
@@ -133,7 +135,8 @@ def train_classifier(message: Payload, env: ClientEnv) -> Payload:
     """Plain local SGD on the client's data; upload the full model state."""
     model = model_from_message(message)
     cfg = TrainConfig(**message.meta["train"])
-    stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress)
+    stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress,
+                        checkpoint=env.checkpoint)
     return state_payload(model.cpu(), arch=message.meta["arch"], train_loss=stats["loss"])
 
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
+import os
+import signal
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetfl.data.base import ImageDataset
+from hetfl.fl.payload import META_KEY, Payload, PayloadError
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -115,6 +122,144 @@ def cross_entropy_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.T
     return F.cross_entropy(model(x), y)
 
 
+CHECKPOINT_FORMAT = "hetfl-local-train/2"
+_PROGRESS = ("epoch", "step", "loss", "seconds")  # what a checkpoint's metadata adds to its description
+
+
+@dataclass
+class TrainState:
+    """Where a local training stands: ``step`` batches of epoch ``epoch`` (0-based) done, ``batches``
+    the batch-order generator's state at that epoch's start (its order is drawn again on a resume and
+    the done batches skipped), ``total`` / ``count`` the epoch's loss sum so far, ``loss`` the last
+    finished epoch's mean loss, ``seconds`` the training time so far, all resumed parts together."""
+
+    epoch: int = 0
+    step: int = 0
+    batches: torch.Tensor | None = None
+    total: float = 0.0
+    count: int = 0
+    loss: float = float("nan")
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainCheckpoint:
+    """Where :func:`local_train` keeps a resumable state of a long local training, and how often.
+
+    After a step, when ``every_s`` seconds have passed since the last save, and when the process was
+    asked to stop (SIGINT or SIGTERM: :func:`stop_deferred`), one safetensors file at ``path`` receives
+    the model's state, the SGD momentum buffers, the default CPU (and, on a GPU, the device's) random
+    state that dropout draws from and the :class:`TrainState`: no pickle, written atomically. A later
+    :func:`local_train` with the same checkpoint path goes on from that step, and on the same device
+    with the same thread count it ends with the same bits as a run that was never stopped (tested). The
+    caller keys ``path`` by everything that determines the training (the simulator: the upload-cache
+    key) and deletes it once the result is safe (:meth:`clear`). A file that cannot be read, or that was
+    written for another model, optimiser or configuration, is ignored with a warning: training starts
+    over."""
+
+    path: Path
+    every_s: float = 120.0
+
+    def _describe(self, cfg: TrainConfig, seed: int) -> dict[str, Any]:
+        return {"format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "seed": seed}
+
+    def save(self, state: TrainState, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+             cfg: TrainConfig, seed: int) -> None:
+        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+        for i, p in enumerate(model.parameters()):
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None:
+                tensors[f"momentum.{i}"] = buf
+        tensors["rng.batches"] = state.batches
+        tensors["rng.cpu"] = torch.get_rng_state()
+        tensors["epoch_loss"] = torch.tensor([state.total], dtype=torch.float64)
+        if device.type == "cuda":
+            tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+        meta = {**self._describe(cfg, seed), "epoch": state.epoch, "step": state.step, "count": state.count,
+                "loss": state.loss, "seconds": state.seconds}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(Payload(tensors, meta).to_bytes())
+        os.replace(tmp, self.path)  # atomic: an interrupted save leaves the previous checkpoint
+
+    def load(self, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, cfg: TrainConfig,
+             seed: int) -> TrainState | None:
+        """Restore a saved state into ``model``, ``opt`` and the default random streams and return
+        where the training stands, or None where there is nothing usable (nothing is then changed)."""
+        if not self.path.is_file():
+            return None
+        try:
+            saved = Payload.from_bytes(self.path.read_bytes())
+            meta = {k: v for k, v in saved.meta.items() if k not in (*_PROGRESS, "count")}
+            if meta != self._describe(cfg, seed):
+                raise PayloadError("written for another training configuration or seed")
+            weights = {k[len("model."):]: v for k, v in saved.tensors.items() if k.startswith("model.")}
+            if {k: v.shape for k, v in weights.items()} != {k: v.shape for k, v in model.state_dict().items()}:
+                raise PayloadError("its model state has other names or shapes")
+            params = list(model.parameters())
+            momenta = {int(k[len("momentum."):]): v for k, v in saved.tensors.items() if k.startswith("momentum.")}
+            if any(i >= len(params) or momenta[i].shape != params[i].shape for i in momenta):
+                raise PayloadError("its momentum buffers do not fit the model")
+            if "rng.cuda" in saved.tensors and device.type != "cuda":
+                raise PayloadError("written on a GPU")
+            if not {"rng.batches", "rng.cpu", "epoch_loss"} <= set(saved.tensors):
+                raise PayloadError("it lacks the random states or the epoch's loss")
+            m = saved.meta
+            state = TrainState(int(m["epoch"]), int(m["step"]), saved.tensors["rng.batches"],
+                               float(saved.tensors["epoch_loss"][0]), int(m["count"]), float(m["loss"]),
+                               float(m["seconds"]))
+        except (PayloadError, ValueError, KeyError, TypeError) as err:
+            warnings.warn(f"local training checkpoint {self.path} not used ({err}); training starts over",
+                          stacklevel=3)
+            return None
+        model.load_state_dict(weights)
+        for i, buf in momenta.items():
+            opt.state[params[i]]["momentum_buffer"] = buf.to(params[i].device)
+        torch.set_rng_state(saved.tensors["rng.cpu"])
+        if "rng.cuda" in saved.tensors:
+            torch.cuda.set_rng_state(saved.tensors["rng.cuda"], device)
+        return state
+
+    def saved_seconds(self) -> float:
+        """The training time the saved steps took, from the file's header alone (0 without a readable
+        checkpoint)."""
+        try:
+            with self.path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            return float(json.loads(header["__metadata__"][META_KEY]).get("seconds", 0.0))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return 0.0
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_deferred() -> Iterator[Callable[[], signal.Signals | None]]:
+    """Hold SIGINT and SIGTERM back inside the block: a signal that arrives is only recorded, and the
+    function yielded returns it (None while none came), so that a loop can finish its step, save and
+    leave the block (raising KeyboardInterrupt). On the way out the previous handlers come back and a
+    recorded signal is delivered to them: Python's SIGINT handler raises KeyboardInterrupt, the default
+    SIGTERM ends the process. Outside the main thread (where handlers cannot be set) and for a signal
+    the process ignores, nothing changes."""
+    got: list[signal.Signals] = []
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, lambda num, _frame: got.append(signal.Signals(num)))
+    try:
+        yield lambda: got[0] if got else None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if got:
+            signal.raise_signal(got[0])
+
+
 def local_train(
     model: nn.Module,
     data: ImageDataset,
@@ -123,34 +268,52 @@ def local_train(
     seed: int,
     loss_fn: LossFn = cross_entropy_loss,
     progress: Callable[[int, float], None] | None = None,
+    checkpoint: TrainCheckpoint | None = None,
 ) -> dict[str, float]:
-    """Train ``model`` in place on ``data`` for ``cfg.epochs`` epochs; returns the last epoch's mean loss."""
+    """Train ``model`` in place on ``data`` for ``cfg.epochs`` epochs; returns the last epoch's mean loss.
+    With ``checkpoint``, go on from a saved step if there is one, save every ``every_s`` seconds, and
+    on SIGINT or SIGTERM save before stopping (:class:`TrainCheckpoint`)."""
     generator = torch.Generator().manual_seed(seed)
     model = prepare(model, device, cfg.channels_last)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
-    mean_loss = float("nan")
-    for epoch in range(cfg.epochs):
-        # the loss sum stays on the device: no host-device sync per step on a GPU, one per epoch
-        total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-        for idx in minibatches(len(data), cfg.batch_size, generator):
-            x, y = data.batch(idx, device)
-            if cfg.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            with autocast(device, cfg.precision):
-                loss = loss_fn(model, x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            total += loss.detach().double() * len(idx)
-            count += len(idx)
-        mean_loss = float(total) / max(count, 1)
-        if progress is not None:
-            progress(epoch + 1, mean_loss)
-    return {"loss": mean_loss}
+    state = (checkpoint.load(model, opt, device, cfg, seed) if checkpoint is not None else None) or TrainState()
+    if state.batches is not None:
+        generator.set_state(state.batches)
+    with stop_deferred() if checkpoint is not None else contextlib.nullcontext(lambda: None) as stop:
+        began = saved_at = time.monotonic()
+        done_before = state.seconds
+        for epoch in range(state.epoch, cfg.epochs):
+            if epoch > state.epoch or state.batches is None:
+                state = TrainState(epoch, 0, generator.get_state(), loss=state.loss, seconds=state.seconds)
+            # the loss sum stays on the device: no host-device sync per step on a GPU, one per epoch
+            total = torch.full((), state.total, dtype=torch.float64, device=device)
+            for step, idx in enumerate(minibatches(len(data), cfg.batch_size, generator)):
+                if step < state.step:
+                    continue  # done before the resume
+                x, y = data.batch(idx, device)
+                if cfg.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with autocast(device, cfg.precision):
+                    loss = loss_fn(model, x, y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                total += loss.detach().double() * len(idx)
+                state.step, state.count = step + 1, state.count + len(idx)
+                if checkpoint is not None and ((got := stop()) or time.monotonic() - saved_at >= checkpoint.every_s):
+                    saved_at = time.monotonic()
+                    state.total, state.seconds = float(total), done_before + saved_at - began
+                    checkpoint.save(state, model, opt, device, cfg, seed)
+                    if got:
+                        raise KeyboardInterrupt  # leaves the block, which delivers the signal
+            state.loss = float(total) / max(state.count, 1)
+            if progress is not None:
+                progress(epoch + 1, state.loss)
+    return {"loss": state.loss}
 
 
 def local_train_group(

@@ -52,7 +52,8 @@ def train_shard(job: dict, out: Path, start: float) -> int:
         counts = train_upload_shard(job["config"], out, Path(job["cache"]), job["data_root"], bool(job["quiet"]),
                                     job["warm"], job["clients"])
     except KeyboardInterrupt:
-        print("worker: interrupted (uploads cached so far are kept)", file=sys.stderr)
+        print("worker: interrupted (uploads cached so far and the last local training checkpoint kept)",
+              file=sys.stderr)
         return 130
     print(f"shard: clients {job['clients']}, uploads {counts}, {(time.perf_counter() - start) / 60:.2f} min")
     return 0
