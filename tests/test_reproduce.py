@@ -1173,6 +1173,16 @@ def test_fedmho_trials_section_names_each_trials_changed_settings_and_groups_tri
     assert "| md-rnd | FedMHO-MD | `init: \"random\"` | bbbbbbbb | 1 | 10.00 |" in text
     assert "| 10.0 | H 1.23 nats, agrees 50.0 %, never on 1, 3 |" in text
     assert "[init]" not in text
+    # a method without a curve in its results (DENSE): the run's logged ``curves`` (step, %) give "last 5"
+    cfg = mho.cell_config("fmnist", "0.5", 0, "vgg9-e10", methods=("dense",))
+    cfg["methods"]["dense"]["epochs"] = 6
+    logged = [[step, acc] for step, acc in enumerate([10.0, 20.0, 40.0, 50.0, 60.0, 70.0], start=1)]
+    summary = {"config": cfg, "results": {"dense": {"accuracy": 70.0, "best_accuracy": 70.0, "server_seconds": 60.0,
+                                                    "uploads_sha256": "b" * 64}},
+               "curves": {"dense": logged}}
+    (archive / mho.TRIALS / f"{cfg['name']}-dense-e6.json").write_text(json.dumps(summary))
+    (row,) = [r for r in mho.trial_rows(archive) if r["method"] == "dense"]
+    assert row["changed"] == {"epochs": 6} and row["last5"] == pytest.approx(48.0) and row["w0"] is None
 
 
 def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figure(tmp_path):

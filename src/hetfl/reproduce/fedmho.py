@@ -899,7 +899,10 @@ def trial_rows(archive: Path) -> list[dict[str, Any]]:
             if "[" in method:
                 continue
             given, base = cfg["methods"].get(method, {}), defaults.get(method, {})
-            curve = [x for x in r.get("curve") or [] if x is not None]
+            # FedMHO's family records its curve in the results; other methods' come from the run's
+            # metrics.jsonl, archived beside them as ``curves`` (step, %) like a cell's
+            logged = [acc for _, acc in summary.get("curves", {}).get(method, [])]
+            curve = [x for x in r.get("curve") or logged if x is not None]
             rows.append({
                 "dataset": dataset, "setting": setting, "seed": seed, "budget": budget, "trial": trial,
                 "method": method, "changed": {k: v for k, v in given.items() if base.get(k) != v},
