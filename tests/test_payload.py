@@ -105,3 +105,12 @@ def test_ledger_totals_per_client_and_round():
     assert ledger.per_round() == [{"round": 1, "up": 7, "down": 10}, {"round": 2, "up": 5, "down": 0}]
     with pytest.raises(ValueError):
         ledger.add(1, 0, "sideways", 1)
+
+
+def test_read_meta_reads_the_header_alone_and_rejects_other_files(tmp_path):
+    path = tmp_path / "p.safetensors"
+    path.write_bytes(Payload({"w": torch.ones(3)}, {"epoch": 2, "name": "x"}).to_bytes())
+    assert Payload.read_meta(path) == {"epoch": 2, "name": "x"}
+    path.write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00nope")
+    with pytest.raises(PayloadError, match="not a hetfl payload"):
+        Payload.read_meta(path)

@@ -251,3 +251,22 @@ def test_a_checkpoint_of_another_training_or_a_torn_one_is_ignored(tmp_path, syn
     with pytest.warns(UserWarning, match="not used .*training starts over"):
         local_train(model, data, cfg, CPU, seed=3, checkpoint=checkpoint)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_momentum_buffers_round_trip_by_parameter_index_and_a_misfit_changes_nothing():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    assert training.momentum_tensors(opt, "m.") == {}  # no step yet: no buffers
+    net(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    saved = training.momentum_tensors(opt, "m.")
+    assert set(saved) == {"m.0", "m.1"} and saved["m.0"].shape == (2, 3)
+    fresh = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    training.load_momentum(fresh, {**saved, "other.0": torch.zeros(1), "m.x": torch.zeros(1)}, "m.")
+    assert all(torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+               for p in net.parameters())
+    empty = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"momentum buffers \[1\] do not fit"):
+        training.load_momentum(empty, {"m.0": saved["m.0"], "m.1": torch.zeros(5)}, "m.")
+    assert not empty.state  # checked before anything was set

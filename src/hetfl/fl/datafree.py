@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hetfl.fl.method import ServerContext, derive_seed
-from hetfl.fl.training import autocast, check_precision
+from hetfl.fl.training import autocast, check_precision, load_momentum, momentum_tensors
 from hetfl.models.generator import Generator
 
 
@@ -350,10 +350,7 @@ class DataFreeDistiller:
         tensors.update({f"recipe.{k}": v for k, v in self.recipe.state().items()})
         for i, (x, y, logits) in enumerate(self.pool):
             tensors[f"pool.{i}.x"], tensors[f"pool.{i}.y"], tensors[f"pool.{i}.L"] = x, y, logits
-        for i, p in enumerate(self.student.parameters()):
-            buf = self.opt.state.get(p, {}).get("momentum_buffer")
-            if buf is not None:
-                tensors[f"opt.{i}"] = buf
+        tensors.update(momentum_tensors(self.opt, "opt."))
         for i, p in enumerate(self.generator.parameters()):  # Adam state (the generator persists in FedHydra)
             for name, value in self.gen_opt.state.get(p, {}).items():
                 tensors[f"gen_opt.{i}.{name}"] = torch.as_tensor(value)
@@ -390,9 +387,7 @@ class DataFreeDistiller:
         self.pool.clear()
         for i in range(info["pool"]):
             self.pool.append((t[f"pool.{i}.x"], t[f"pool.{i}.y"], t[f"pool.{i}.L"]))
-        for i, p in enumerate(self.student.parameters()):
-            if f"opt.{i}" in t:
-                self.opt.state[p]["momentum_buffer"] = t[f"opt.{i}"].clone()
+        load_momentum(self.opt, t, "opt.")
         if not self.recipe.reset_generator:
             for i, p in enumerate(self.generator.parameters()):
                 state = {k.split(".")[-1]: v.clone() for k, v in t.items() if k.startswith(f"gen_opt.{i}.")}

@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,14 +44,15 @@ class Payload:
     def from_bytes(cls, blob: bytes) -> Payload:
         try:
             tensors = st_load(blob)
-            header_len = int.from_bytes(blob[:8], "little")
-            header = json.loads(blob[8 : 8 + header_len])
-            meta = json.loads(header.get("__metadata__", {}).get(META_KEY, "{}"))
         except Exception as err:  # safetensors raises several error types
             raise PayloadError(f"not a hetfl payload (safetensors + JSON metadata): {err}") from err
-        if not isinstance(meta, dict):
-            raise PayloadError("payload metadata must be a JSON object")
-        return cls(tensors, meta)
+        return cls(tensors, _meta(blob[8 : 8 + int.from_bytes(blob[:8], "little")]))
+
+    @staticmethod
+    def read_meta(path: str | Path) -> dict[str, Any]:
+        """The metadata of a payload file, from its header alone (the tensors are not read)."""
+        with open(path, "rb") as f:
+            return _meta(f.read(int.from_bytes(f.read(8), "little")))
 
     def sha256(self) -> str:
         """Hex sha256 of :meth:`to_bytes`: equal digests mean byte-identical payloads."""
@@ -81,6 +83,17 @@ class Payload:
         for name, tensor in self.tensors.items():
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise PayloadError(f"tensor {name!r} has NaN or inf values")
+
+
+def _meta(header: bytes) -> dict[str, Any]:
+    """The hetfl metadata in a safetensors header."""
+    try:
+        meta = json.loads(json.loads(header).get("__metadata__", {}).get(META_KEY, "{}"))
+    except Exception as err:
+        raise PayloadError(f"not a hetfl payload (safetensors + JSON metadata): {err}") from err
+    if not isinstance(meta, dict):
+        raise PayloadError("payload metadata must be a JSON object")
+    return meta
 
 
 def state_payload(module: torch.nn.Module, **meta: Any) -> Payload:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import os
 import signal
 import threading
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetfl.data.base import ImageDataset
-from hetfl.fl.payload import META_KEY, Payload, PayloadError
+from hetfl.fl.payload import Payload, PayloadError
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -123,7 +122,28 @@ def cross_entropy_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 
 CHECKPOINT_FORMAT = "hetfl-local-train/2"
-_PROGRESS = ("epoch", "step", "loss", "seconds")  # what a checkpoint's metadata adds to its description
+_PROGRESS = ("epoch", "step", "count", "loss", "seconds")  # what a checkpoint's metadata adds to its description
+
+
+def momentum_tensors(opt: torch.optim.Optimizer, prefix: str) -> dict[str, torch.Tensor]:
+    """An SGD optimiser's momentum buffers as ``{prefix + parameter index: buffer}`` (for a checkpoint;
+    parameters without one yet are left out)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return {f"{prefix}{i}": opt.state[p]["momentum_buffer"] for i, p in enumerate(params)
+            if opt.state.get(p, {}).get("momentum_buffer") is not None}
+
+
+def load_momentum(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """Set the buffers :func:`momentum_tensors` wrote (other keys are ignored); raises ValueError, before
+    changing anything, for a buffer that does not fit its parameter."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    found = {int(k[len(prefix):]): v for k, v in tensors.items()
+             if k.startswith(prefix) and k[len(prefix):].isdigit()}
+    bad = [i for i, v in found.items() if i >= len(params) or v.shape != params[i].shape]
+    if bad:
+        raise ValueError(f"momentum buffers {bad} do not fit the optimiser's parameters")
+    for i, buf in found.items():
+        opt.state[params[i]]["momentum_buffer"] = buf.to(params[i].device).clone()
 
 
 @dataclass
@@ -165,11 +185,7 @@ class TrainCheckpoint:
 
     def save(self, state: TrainState, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
              cfg: TrainConfig, seed: int) -> None:
-        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-        for i, p in enumerate(model.parameters()):
-            buf = opt.state.get(p, {}).get("momentum_buffer")
-            if buf is not None:
-                tensors[f"momentum.{i}"] = buf
+        tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | momentum_tensors(opt, "momentum.")
         tensors["rng.batches"] = state.batches
         tensors["rng.cpu"] = torch.get_rng_state()
         tensors["epoch_loss"] = torch.tensor([state.total], dtype=torch.float64)
@@ -190,16 +206,11 @@ class TrainCheckpoint:
             return None
         try:
             saved = Payload.from_bytes(self.path.read_bytes())
-            meta = {k: v for k, v in saved.meta.items() if k not in (*_PROGRESS, "count")}
-            if meta != self._describe(cfg, seed):
+            if {k: v for k, v in saved.meta.items() if k not in _PROGRESS} != self._describe(cfg, seed):
                 raise PayloadError("written for another training configuration or seed")
             weights = {k[len("model."):]: v for k, v in saved.tensors.items() if k.startswith("model.")}
             if {k: v.shape for k, v in weights.items()} != {k: v.shape for k, v in model.state_dict().items()}:
                 raise PayloadError("its model state has other names or shapes")
-            params = list(model.parameters())
-            momenta = {int(k[len("momentum."):]): v for k, v in saved.tensors.items() if k.startswith("momentum.")}
-            if any(i >= len(params) or momenta[i].shape != params[i].shape for i in momenta):
-                raise PayloadError("its momentum buffers do not fit the model")
             if "rng.cuda" in saved.tensors and device.type != "cuda":
                 raise PayloadError("written on a GPU")
             if not {"rng.batches", "rng.cpu", "epoch_loss"} <= set(saved.tensors):
@@ -208,13 +219,12 @@ class TrainCheckpoint:
             state = TrainState(int(m["epoch"]), int(m["step"]), saved.tensors["rng.batches"],
                                float(saved.tensors["epoch_loss"][0]), int(m["count"]), float(m["loss"]),
                                float(m["seconds"]))
+            load_momentum(opt, saved.tensors, "momentum.")  # last: it changes the optimiser once it fits
         except (PayloadError, ValueError, KeyError, TypeError) as err:
             warnings.warn(f"local training checkpoint {self.path} not used ({err}); training starts over",
                           stacklevel=3)
             return None
         model.load_state_dict(weights)
-        for i, buf in momenta.items():
-            opt.state[params[i]]["momentum_buffer"] = buf.to(params[i].device)
         torch.set_rng_state(saved.tensors["rng.cpu"])
         if "rng.cuda" in saved.tensors:
             torch.cuda.set_rng_state(saved.tensors["rng.cuda"], device)
@@ -224,10 +234,8 @@ class TrainCheckpoint:
         """The training time the saved steps took, from the file's header alone (0 without a readable
         checkpoint)."""
         try:
-            with self.path.open("rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            return float(json.loads(header["__metadata__"][META_KEY]).get("seconds", 0.0))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return float(Payload.read_meta(self.path).get("seconds", 0.0))
+        except (OSError, PayloadError, ValueError, TypeError):
             return 0.0
 
     def clear(self) -> None:
