@@ -269,6 +269,14 @@ def test_minutes_are_grouped_by_the_machine_that_ran_the_cells(tmp_path):
     assert minutes_by_machine(cells) == [("cuda (NVIDIA H100 80GB HBM3)", [8.0, 12.0]),
                                          ("cpu (AMD EPYC, AVX512)", [17.0]), ("cuda", [3.0])]
     assert machine_label({}) == ""
+    amx = {"device": "cpu", "cpu": "Intel(R) Xeon(R) Processor", "cpu_capability": "AVX512",
+           "cpu_bf16": ["avx512_bf16", "amx_bf16"]}
+    no_amx = {**amx, "cpu_bf16": []}
+    assert machine_label({"environment": amx}) == "cpu (Intel(R) Xeon(R) Processor, AVX512, amx_bf16)"
+    assert machine_label({"environment": no_amx}) == "cpu (Intel(R) Xeon(R) Processor, AVX512)"
+    assert [label for label, _ in minutes_by_machine([{"minutes": 1.0, "environment": amx},
+                                                      {"minutes": 2.0, "environment": no_amx}])] == [
+        "cpu (Intel(R) Xeon(R) Processor, AVX512, amx_bf16)", "cpu (Intel(R) Xeon(R) Processor, AVX512)"]
     for seed, env in ((0, gpu), (1, cpu)):
         cfg = fake_summary(tmp_path, "mnist", "0.5", seed, dict.fromkeys(("ensemble", *paper.METHODS), 50.0))
         path = tmp_path / cfg["name"] / "summary.json"

@@ -1,6 +1,7 @@
 """End-to-end behaviour of the in-process simulator on tiny synthetic data."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ def test_summary_and_outputs(tmp_path, tiny_config):
     assert env["threads"] >= 1 and env["cpu"]
     assert env["cpu_capability"] in ("DEFAULT", "NO AVX", "AVX2", "AVX512", "ZVECTOR", "SVE256")
     assert isinstance(env["bf16_native"], bool)  # bf16 timings mean little where bf16 is emulated
+    assert set(env["cpu_bf16"]) <= {"avx512_bf16", "amx_bf16"}  # AMX: several times faster bf16
     if env["device"].startswith("cuda"):  # which card: "cuda" alone does not date the minutes
         assert env["accelerator"] == torch.cuda.get_device_name(0)
     else:
@@ -334,3 +336,16 @@ def test_with_checkpoints_off_a_killed_client_leaves_nothing(tmp_path, tiny_conf
     with pytest.raises(_Killed):
         run(tiny_config, tmp_path / "a", tmp_path / "cache", checkpoint_every_s=None)
     assert not (tmp_path / "cache" / "partial").exists()
+
+
+def test_cpu_bf16_units_read_the_flags_line():
+    """The bf16 units come from /proc/cpuinfo's flags, in the order weakest first; none without the line."""
+    from hetfl.engine.simulator import cpu_bf16_units
+
+    amx = "processor\t: 0\nflags\t\t: fpu avx512f amx_tile amx_bf16 avx512_bf16 amx_int8\n"
+    assert cpu_bf16_units(amx) == ["avx512_bf16", "amx_bf16"]
+    assert cpu_bf16_units("flags\t: fpu avx2 avx512f\n") == []
+    assert cpu_bf16_units("processor\t: 0\n") == []
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # this machine's own flags, read the same way
+        assert cpu_bf16_units() == cpu_bf16_units(cpuinfo.read_text())

@@ -482,6 +482,7 @@ class Simulator:
                             "device": str(self.exp.device), "threads": torch.get_num_threads(),
                             "machine": platform.machine(), "python": platform.python_version(),
                             "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "cpu_bf16": cpu_bf16_units(),
                             "bf16_native": bf16_native(self.exp.device.type), "malloc": malloc_setting(),
                             "accelerator": accelerator_name(self.exp.device)},
         }
@@ -499,6 +500,27 @@ def processor_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# /proc/cpuinfo flags that decide bf16 speed on a CPU, weakest first: torch's ``get_cpu_capability()``
+# reads AVX512 on all three kinds of machine this project met (AVX-512 alone, with avx512_bf16, with
+# AMX), whose bf16 convolutions differ by several times (docs/BENCHMARKS.md).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_units(cpuinfo: str | None = None) -> list[str]:
+    """The :data:`BF16_FLAGS` the CPU has (``/proc/cpuinfo``'s first ``flags`` line; ``cpuinfo``: that
+    file's text, for tests); empty when it has none or the file cannot be read (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return [f for f in BF16_FLAGS if f in flags]
+    return []
 
 
 def accelerator_name(device: torch.device) -> str | None:

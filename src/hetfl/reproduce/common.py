@@ -326,13 +326,15 @@ def cell_minutes(summary: dict[str, Any]) -> float:
 
 def machine_label(summary: dict[str, Any]) -> str:
     """Where a cell ran, for its minutes: the GPU's name on a GPU (``cuda`` for summaries written before
-    the name was recorded), else ``cpu`` with the processor and its vector extension; empty when the
-    summary records no device."""
+    the name was recorded), else ``cpu`` with the processor, its vector extension and its strongest bf16
+    unit (``cpu_bf16``, recorded since the forty-ninth session: ``amx_bf16`` makes one "Intel(R) Xeon(R)
+    Processor" several times faster in bf16 than another); empty when the summary records no device."""
     env = summary.get("environment", {})
     device = env.get("device", "")
     if device.startswith("cuda"):
         return f"{device} ({env['accelerator']})" if env.get("accelerator") else device
-    details = ", ".join(v for v in (env.get("cpu"), env.get("cpu_capability")) if v)
+    bf16 = env.get("cpu_bf16") or [None]
+    details = ", ".join(v for v in (env.get("cpu"), env.get("cpu_capability"), bf16[-1]) if v)
     return f"{device} ({details})" if details else device
 
 
