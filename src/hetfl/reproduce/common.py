@@ -220,9 +220,10 @@ def upload_digests(cell: dict[str, Any]) -> set[str]:
 
 PARTIAL_INTRO = """Summaries of methods run again into another runs folder, on the seeds of archived cells (same
 code and config), kept in `{where}` because they lack some of the archived cell's methods (or, moved
-there by hand, because a later run of the whole cell replaced them), so the tables above do not use
-them. Per runs folder: how many cells had byte-identical uploads, and how far the methods both runs
-have lie apart (final %, this run minus the archived cell); then every method that only these re-runs
+there by hand, because a later run of the whole cell replaced them, or because their config differs from
+the budget's in a way their name says, such as `-amx-bf16`), so the tables above do not use them.
+Per runs folder: how many cells had byte-identical uploads, and how far the methods both runs have lie
+apart (final %, this run minus the archived cell); then every method that only these re-runs
 measured."""
 
 
