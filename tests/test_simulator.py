@@ -346,6 +346,7 @@ def test_cpu_bf16_units_read_the_flags_line():
     assert cpu_bf16_units(amx) == ["avx512_bf16", "amx_bf16"]
     assert cpu_bf16_units("flags\t: fpu avx2 avx512f\n") == []
     assert cpu_bf16_units("processor\t: 0\n") == []
+    assert cpu_bf16_units("vmx flags\t: amx_bf16\nflags\t: fpu\n") == []  # the key must match whole
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():  # this machine's own flags, read the same way
         assert cpu_bf16_units() == cpu_bf16_units(cpuinfo.read_text())

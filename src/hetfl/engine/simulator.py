@@ -490,16 +490,25 @@ class Simulator:
         return summary
 
 
+def cpuinfo_value(key: str, cpuinfo: str | None = None) -> str | None:
+    """The value of the first ``key : value`` line of ``/proc/cpuinfo`` (``cpuinfo``: that file's text,
+    for tests); None without such a line or a readable file (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() == key:
+            return value.strip()
+    return None
+
+
 def processor_name() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, else :func:`platform.processor`): timings
     recorded in a summary are only comparable on the same processor."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpuinfo_value("model name") or platform.processor() or "unknown"
 
 
 # /proc/cpuinfo flags that decide bf16 speed on a CPU, weakest first: torch's ``get_cpu_capability()``
@@ -509,18 +518,9 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_bf16_units(cpuinfo: str | None = None) -> list[str]:
-    """The :data:`BF16_FLAGS` the CPU has (``/proc/cpuinfo``'s first ``flags`` line; ``cpuinfo``: that
-    file's text, for tests); empty when it has none or the file cannot be read (not Linux)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return []
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return [f for f in BF16_FLAGS if f in flags]
-    return []
+    """The :data:`BF16_FLAGS` in the CPU's ``flags`` (:func:`cpuinfo_value`); empty without any."""
+    flags = set((cpuinfo_value("flags", cpuinfo) or "").split())
+    return [f for f in BF16_FLAGS if f in flags]
 
 
 def accelerator_name(device: torch.device) -> str | None:

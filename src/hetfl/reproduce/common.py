@@ -334,8 +334,8 @@ def machine_label(summary: dict[str, Any]) -> str:
     device = env.get("device", "")
     if device.startswith("cuda"):
         return f"{device} ({env['accelerator']})" if env.get("accelerator") else device
-    bf16 = env.get("cpu_bf16") or [None]
-    details = ", ".join(v for v in (env.get("cpu"), env.get("cpu_capability"), bf16[-1]) if v)
+    strongest_bf16 = (env.get("cpu_bf16") or [None])[-1]
+    details = ", ".join(v for v in (env.get("cpu"), env.get("cpu_capability"), strongest_bf16) if v)
     return f"{device} ({details})" if details else device
 
 
