@@ -1336,9 +1336,13 @@ def test_partial_report_compares_reruns_with_their_archived_cells_and_lists_what
     old = tmp_path / PARTIAL / "old"
     old.mkdir()
     (old / "cell-b.json").write_text(json.dumps(cell("cell-b", {"m1": {"accuracy": 60.0}})))  # no archived cell-b
+    plain = tmp_path / PARTIAL / "plain"
+    plain.mkdir()
+    (plain / "cell-a.json").write_text(json.dumps(cell("cell-a", {"m1": {"accuracy": 80.0}})))  # no digests
     text = partial_report(tmp_path, {"m3": "Method Three"})
     assert text.startswith("### Re-runs kept apart")
-    assert "| `old` | 1 | 0 of 1 (1 without digests) | 0 | - |" in text
+    assert "| `plain` | 1 | 0 of 1 (1 without digests) | 1 | 0.00 / +0.00 |" in text
+    assert "| `old` | 1 | 0 of 1 (1 with no archived cell) | 0 | - |" in text
     # cell-a: same digests, m1 -2.00; cell-c: other uploads, m1 +3.00 -> mean |2.00, 3.00| = 2.50, largest +3.00
     assert "| `rerun` | 2 | 1 of 2 | 2 | 2.50 / +3.00 |" in text
     assert text.index("`old`") < text.index("`rerun`")

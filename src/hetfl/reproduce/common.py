@@ -242,8 +242,12 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
         deltas = [s["results"][m]["accuracy"] - a["results"][m]["accuracy"]
                   for s, a in pairs if a is not None for m in s["results"] if m in a["results"]]
         same = f"{sum(a is not None and same_uploads(s, a) for s, a in pairs)} of {len(pairs)}"
-        if unknown := sum(a is None or not (upload_digests(s) and upload_digests(a)) for s, a in pairs):
-            same += f" ({unknown} without digests)"
+        why = [f"{n} {what}" for n, what in (
+            (sum(a is None for _, a in pairs), "with no archived cell"),
+            (sum(a is not None and not (upload_digests(s) and upload_digests(a)) for s, a in pairs),
+             "without digests")) if n]
+        if why:
+            same += f" ({'; '.join(why)})"
         spread = (f"{statistics.fmean(abs(d) for d in deltas):.2f} / {max(deltas, key=abs):+.2f}"
                   if deltas else "-")
         lines.append(f"| `{folder}` | {len(pairs)} | {same} | {len(deltas)} | {spread} |")
