@@ -171,7 +171,8 @@ def test_cli_names_the_option_and_value_it_rejects(capsys, tmp_path, paper_name,
 
 @pytest.mark.parametrize("budget", list(paper.BUDGETS))
 def test_budgets_define_every_key(budget):
-    keys = set(paper.BUDGETS[budget]) - {"precision", "ours"}  # optional: fp32 and the method defaults unless given
+    # optional: fp32 (server and clients) and the method defaults unless given
+    keys = set(paper.BUDGETS[budget]) - {"precision", "client_precision", "ours"}
     assert keys == {"client_epochs", "epochs", "generator_steps", "batch_size", "strat_batch_size", "feddf_steps"}
     assert paper.precision(budget) in ("fp32", "bf16")
 
@@ -832,6 +833,31 @@ def test_bf16_budget_differs_from_its_fp32_twin_only_in_the_generator_familys_pr
         assert "precision" not in g30["methods"][m]  # fp32 configs stay as archived
         if extra:
             validate({**bf16, "methods": {m: params}})  # the loop accepts the key
+
+
+def test_paper_bf16_budget_is_paper_with_bf16_clients_and_generator_family_and_has_its_own_table(tmp_path):
+    fp32, bf16 = (paper.cell_config("mnist", "0.01", 0, b) for b in ("paper", "paper-bf16"))
+    assert bf16["name"] == "fedhydra-mnist-0.01-s0-paper-bf16"
+    assert bf16["client"] == {**fp32["client"], "precision": "bf16"}  # other uploads than paper's
+    assert "precision" not in fp32["client"]
+    for m, params in bf16["methods"].items():
+        extra = {"precision": "bf16"} if m in paper.GENERATOR_FAMILY else {}
+        assert params == {**fp32["methods"][m], **extra}  # FedDF, OT, FedAvg as at paper
+    validate(bf16)
+    assert paper.TABLE_BUDGETS == (*paper.FP32_BUDGETS, "paper-bf16")
+    # its cells go to a table of their own, with the paper's numbers beside them
+    summary = {"config": bf16, "environment": {}, "results": {
+        "ensemble": {"accuracy": 29.0, "best_accuracy": 29.0},
+        "dense": {"accuracy": 20.0, "best_accuracy": 25.0},
+        paper.VARIANT: {"accuracy": 65.0, "best_accuracy": 75.0}}}
+    cell = tmp_path / "runs" / bf16["name"]
+    cell.mkdir(parents=True)
+    (cell / "summary.json").write_text(json.dumps(summary))
+    text = paper.report(tmp_path / "runs", "paper-bf16")
+    assert text.startswith("## Budget `paper-bf16`")
+    dense = next(line for line in text.splitlines() if line.startswith("| DENSE |"))
+    assert "| 25.00 (20.00) n=1 | 11.17 |" in dense  # MNIST α = 0.01: ours beside the paper's
+    assert "### MNIST" not in paper.report(tmp_path / "runs", "paper")  # not mixed into paper's fp32 table
 
 
 def test_precision_section_pairs_each_bf16_cell_with_its_fp32_twin_on_the_same_uploads(tmp_path):

@@ -81,6 +81,13 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # Same clients, so the same cached uploads; its cells are reported beside their fp32 twins
     # (`precision_report`), not in the standing table or the one-cache sections.
     "reduced-t60-g30-bf16": {**REDUCED, "epochs": 60, "generator_steps": 30, "precision": "bf16"},
+    # `paper` with bf16 autocast in the clients' local training too (`client.precision`), for CPUs with
+    # AMX, where it makes a whole cell fit about three hours on 2 cores (forty-ninth and fiftieth
+    # sessions). Its clients differ from `paper`'s, so its cells have no fp32 twin on the same uploads
+    # and get a table of their own; FedDF keeps fp32 (4 min here).
+    "paper-bf16": {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
+                   "strat_batch_size": 64, "feddf_steps": 10000, "ours": {"temperature": 20.0},
+                   "precision": "bf16", "client_precision": "bf16"},
 }
 
 
@@ -98,6 +105,9 @@ def fp32_twin(budget: str) -> str:
 
 
 FP32_BUDGETS = tuple(b for b in BUDGETS if precision(b) == "fp32")
+# The budgets with a Table 1/2 section of their own: the fp32 ones, and those whose clients train
+# otherwise (`client_precision`), whose cells therefore have no fp32 twin on the same uploads.
+TABLE_BUDGETS = tuple(b for b in BUDGETS if precision(b) == "fp32" or "client_precision" in BUDGETS[b])
 
 
 def partition(setting: str) -> dict[str, Any]:
@@ -131,7 +141,8 @@ def cell_config(dataset: str, setting: str, seed: int, budget: str, methods: tup
     return {
         "name": f"fedhydra-{dataset}-{tag}-s{seed}-{budget}", "seed": seed, "dataset": dataset,
         "partition": partition(setting), "clients": clients,
-        "client": {"model": "cnn2", "epochs": b["client_epochs"], "batch_size": 128, "lr": 0.01, "momentum": 0.9},
+        "client": {"model": "cnn2", "epochs": b["client_epochs"], "batch_size": 128, "lr": 0.01, "momentum": 0.9,
+                   **({"precision": b["client_precision"]} if "client_precision" in b else {})},
         "server": {"model": "cnn2"},
         "methods": {m: per_method[m] for m in ("ensemble", *methods, *(EXTRA if methods == METHODS else ()))},
     }
@@ -917,7 +928,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
                           "(named under each setting), error bars = standard deviation over seeds."
                           f"\n\n![{figure.stem}]({figure.name})")
     bodies = [standing_body]
-    for budget in FP32_BUDGETS:
+    for budget in TABLE_BUDGETS:
         body = report(root, budget, archive)
         plot_curves(root, path, budget)
         if "###" in body:  # a budget without cells has no section to hang its figures on
