@@ -844,7 +844,7 @@ def test_paper_bf16_budget_is_paper_with_bf16_clients_and_generator_family_and_h
         extra = {"precision": "bf16"} if m in paper.GENERATOR_FAMILY else {}
         assert params == {**fp32["methods"][m], **extra}  # FedDF, OT, FedAvg as at paper
     validate(bf16)
-    assert paper.TABLE_BUDGETS == (*paper.FP32_BUDGETS, "paper-bf16")
+    assert (*paper.FP32_BUDGETS, "paper-bf16") == paper.TABLE_BUDGETS
     # its cells go to a table of their own, with the paper's numbers beside them
     summary = {"config": bf16, "environment": {}, "results": {
         "ensemble": {"accuracy": 29.0, "best_accuracy": 29.0},

@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("paper", choices=["fedhydra", "fedmho"])
     rep.add_argument("--budget", default="reduced", help="reduced (a few hours on 2 cores) or paper; fedhydra "
                      "also reduced-t60 (reduced with T_g = 60 server epochs), reduced-t60-g30 (that with T_G = 30) and "
-                     "reduced-t60-g30-bf16, and paper-bf16 (paper with bf16 clients and server: for CPUs with AMX); fedmho also vgg9-e10 (reduced with the paper's VGG-9 classifiers) and "
+                     "reduced-t60-g30-bf16, and paper-bf16 (paper with bf16 clients and server: for CPUs with "
+                     "AMX); fedmho also vgg9-e10 (reduced with the paper's VGG-9 classifiers) and "
                      "vgg9-e50 (that with 50 local epochs), reduced-feddf-partition and vgg9-e10-feddf-partition "
                      "(those on the authors' partition, feddf_dirichlet, which paper uses too)")
     rep.add_argument("--datasets", default="mnist,fmnist")
