@@ -118,7 +118,7 @@ def test_simulator_batches_equal_clients_and_caches_them_apart(tmp_path, tiny_co
     batched = Simulator(prepare(validate(cfg)), tmp_path / "b", cache, quiet=True).run()
     assert batched["engine"] == {"name": "simulator", "batch_clients": True}
     assert plain["engine"] == {"name": "simulator"}
-    assert batched["config"]["simulator"] == {"batch_clients": True}
+    assert batched["config"]["simulator"] == {"batch_clients": True, "flush_denormal": False}
     assert batched["results"]["fedavg"]["cached_uploads"] == 0  # keyed apart from one-at-a-time uploads
     assert len(list(cache.rglob("*.safetensors"))) == 6
     infos = [json.loads(p.read_text()) for p in cache.rglob("*.json")]
@@ -133,13 +133,19 @@ def test_simulator_batches_equal_clients_and_caches_them_apart(tmp_path, tiny_co
 
 def test_simulator_config_key(tiny_config):
     cfg = validate(copy.deepcopy(tiny_config))
-    assert cfg["simulator"] == {"batch_clients": False}
-    # the default leaves the resume hashes of earlier runs as they were
+    assert cfg["simulator"] == {"batch_clients": False, "flush_denormal": False}
+    # the defaults leave the resume hashes of earlier runs as they were
     earlier = {k: v for k, v in cfg.items() if k != "simulator"}
     assert config_hash(cfg, "fedavg") == config_hash(earlier, "fedavg")
-    assert config_hash({**cfg, "simulator": {"batch_clients": True}}, "fedavg") != config_hash(cfg, "fedavg")
-    with pytest.raises(ConfigError, match="batch_clients must be true or false"):
-        validate({**copy.deepcopy(tiny_config), "simulator": {"batch_clients": "yes"}})
+    batched = config_hash({**cfg, "simulator": {"batch_clients": True}}, "fedavg")
+    assert batched != config_hash(cfg, "fedavg")
+    # ... and the hashes of earlier batched runs (whose simulator setting had one key) too
+    assert config_hash({**cfg, "simulator": {"batch_clients": True, "flush_denormal": False}}, "fedavg") == batched
+    assert config_hash({**cfg, "simulator": {"batch_clients": False, "flush_denormal": True}},
+                       "fedavg") != config_hash(cfg, "fedavg")
+    for key in ("batch_clients", "flush_denormal"):
+        with pytest.raises(ConfigError, match=f"{key} must be true or false"):
+            validate({**copy.deepcopy(tiny_config), "simulator": {key: "yes"}})
     with pytest.raises(ConfigError, match="simulator"):
         validate({**copy.deepcopy(tiny_config), "simulator": {"batch": True}})
 
@@ -154,3 +160,25 @@ def test_group_training_in_bf16_autocast_tracks_fp32_weights(synthetic_small):
     stats = local_train_group(grouped, datas, cfg, torch.device("cpu"), seeds=[1, 2])
     assert [s["loss"] for s in stats] == pytest.approx(losses, rel=0.05)
     assert all(p.dtype == torch.float32 for m in grouped for p in m.parameters())
+
+
+def test_flushed_subnormals_cache_their_uploads_apart(tmp_path, tiny_config, monkeypatch):
+    """``simulator.flush_denormal``: other bits, so other cache keys; the flag itself is process-wide and
+    tested in a fresh interpreter (test_host.py, test_cli.py), so here it is only recorded as asked."""
+    import hetfl.engine.simulator as simulator
+
+    asked: list[bool] = []
+    monkeypatch.setattr(simulator, "flush_denormals", lambda: asked.append(True) or True)
+    cfg = copy.deepcopy(tiny_config)
+    cache = tmp_path / "cache"
+    plain = Simulator(prepare(validate(cfg)), tmp_path / "a", cache, quiet=True).run()
+    assert asked == []
+    cfg["simulator"] = {"flush_denormal": True}
+    flushed = Simulator(prepare(validate(cfg)), tmp_path / "b", cache, quiet=True).run()
+    assert asked == [True]
+    assert plain["results"]["fedavg"]["cached_uploads"] == 0 and flushed["results"]["fedavg"]["cached_uploads"] == 0
+    infos = [json.loads(p.read_text()) for p in cache.rglob("*.json")]
+    assert sorted(i["fingerprint"].get("flush_denormal", False) for i in infos) == [False] * 3 + [True] * 3
+    monkeypatch.setattr(simulator, "flush_denormals", lambda: False)  # a CPU that cannot
+    with pytest.raises(ConfigError, match="cannot flush subnormal"):
+        Simulator(prepare(validate(cfg)), tmp_path / "c", cache, quiet=True)

@@ -14,7 +14,7 @@ from hetfl.config import ConfigError, check_device, load_config
 from hetfl.data import DATASET_NAMES, PARTITION_KINDS, DataFormatError, PartitionError
 from hetfl.data.fetch import FetchError, fetch
 from hetfl.fl.payload import PayloadError
-from hetfl.host import keep_freed_memory
+from hetfl.host import flush_denormals, keep_freed_memory
 
 USER_ERRORS = (ConfigError, PartitionError, DataFormatError, FetchError, PayloadError, ValueError,
                FileNotFoundError)
@@ -33,6 +33,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from hetfl.report import results_table, write_plots
 
     cfg = load_config(args.config, args.overrides)
+    if cfg["simulator"]["flush_denormal"]:
+        flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
     if args.methods:
         chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
         missing = [m for m in chosen if m not in cfg["methods"]]

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 import hetfl
 import hetfl.methods  # noqa: F401  (registers methods and client tasks)
-from hetfl.config import ConfigError, check_device, client_archs
+from hetfl.config import SIMULATOR_KEYS, ConfigError, check_device, client_archs
 from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
 from hetfl.fl.cache import UploadCache, request_key, uploads_digest
 from hetfl.fl.client import ClientEnv, group_key, handle, handle_group
@@ -42,7 +42,7 @@ from hetfl.fl.method import (
 )
 from hetfl.fl.payload import Payload, PayloadError, json_safe
 from hetfl.fl.training import TrainCheckpoint, TrainConfig, bf16_native, evaluate
-from hetfl.host import malloc_setting
+from hetfl.host import flush_denormal_setting, flush_denormals, malloc_setting
 
 log = logging.getLogger("hetfl")
 
@@ -113,8 +113,10 @@ def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool
 
 def config_hash(cfg: dict[str, Any], method: str) -> str:
     keep = {k: v for k, v in cfg.items() if k not in ("methods", "name", "device", "eval_every", "flower")}
-    if not keep.get("simulator", {}).get("batch_clients"):  # the default: the hashes of earlier runs hold
-        keep.pop("simulator", None)
+    # simulator settings at their defaults leave the hash out: the hashes of earlier runs hold
+    changed = {k: v for k, v in keep.pop("simulator", {}).items() if SIMULATOR_KEYS.get(k) != v}
+    if changed:
+        keep["simulator"] = changed
     keep["method"] = {method: cfg["methods"][method]}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -133,6 +135,12 @@ class Simulator:
         # key as one vectorised batch (hetfl.fl.client.handle_group); other bits than one client at a
         # time, so their uploads are cached under keys of their own
         self.batch_clients = bool(exp.cfg.get("simulator", {}).get("batch_clients")) and transport is None
+        # ``simulator.flush_denormal``: subnormal floats flushed to zero in this process (hetfl.host;
+        # fully so where the command line set it before any torch work); other bits, so the uploads
+        # are cached under keys of their own
+        self.flush_denormal = bool(exp.cfg.get("simulator", {}).get("flush_denormal")) and transport is None
+        if self.flush_denormal and not flush_denormals():
+            raise ConfigError("simulator.flush_denormal: this CPU cannot flush subnormal floats to zero")
         self.transport = transport
         if transport is None and exp.partition is None:
             raise ValueError("an in-process simulation needs the partitioned client data")
@@ -202,7 +210,11 @@ class Simulator:
     def _fingerprint(self, cid: int) -> dict[str, Any]:
         """What the cache keys a client's data by; batched training marks it (other bits)."""
         fingerprint = self.exp.fingerprint(cid)
-        return {**fingerprint, "batched": True} if self.batch_clients else fingerprint
+        if self.batch_clients:
+            fingerprint["batched"] = True
+        if self.flush_denormal:
+            fingerprint["flush_denormal"] = True
+        return fingerprint
 
     def _key(self, cid: int, message: Payload) -> str:
         return request_key(self._fingerprint(cid), message, self.exp.device)
@@ -484,6 +496,7 @@ class Simulator:
                             "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                             "cpu_bf16": cpu_bf16_units(),
                             "bf16_native": bf16_native(self.exp.device.type), "malloc": malloc_setting(),
+                            "flush_denormal": flush_denormal_setting(),
                             "accelerator": accelerator_name(self.exp.device)},
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))

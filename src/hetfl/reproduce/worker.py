@@ -21,10 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
     import torch
 
-    from hetfl.host import keep_freed_memory
+    from hetfl.host import flush_denormals, keep_freed_memory
     from hetfl.reproduce.common import run_missing_methods
 
     keep_freed_memory()
+    if job["config"].get("simulator", {}).get("flush_denormal"):
+        flush_denormals()  # before torch's worker threads start (hetfl.host)
     torch.set_num_threads(int(job["threads"]))
     out = Path(job["out"])
     start = time.perf_counter()
