@@ -174,8 +174,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         int_list,
         run_grid_parallel,
         run_missing_methods,
+        simulator_flags,
     )
 
+    if args.flush_denormal:
+        flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
     if args.client_jobs < 1:
@@ -205,8 +208,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for cfg in cells:  # validate the whole grid before running anything
         if args.device:
             cfg["device"] = args.device
-        if args.batch_clients:
-            cfg["simulator"] = {"batch_clients": True}
+        if simulator := simulator_flags(args):
+            cfg["simulator"] = simulator
         validate(cfg)
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
@@ -336,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--batch-clients", action="store_true",
                      help="train each cell's from-scratch classifier clients of one architecture as one "
                           "vectorised batch (simulator.batch_clients: for a GPU; other bits, cached apart)")
+    rep.add_argument("--flush-denormal", action="store_true",
+                     help="flush subnormal floats to zero on the CPU (simulator.flush_denormal: clients whose loss "
+                          "reaches 0 train up to 3x faster; other bits, cached apart)")
     rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
     rep.add_argument("--out", default=None, help="runs folder (default runs/reproduce-<paper>)")
     rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")

@@ -273,6 +273,12 @@ def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: 
         raise ConfigError(f"--{option}: unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}{also}")
 
 
+def simulator_flags(args: Any) -> dict[str, bool]:
+    """The ``simulator`` settings that ``hetfl reproduce``'s ``--batch-clients`` and ``--flush-denormal``
+    ask for ({} for neither: the cells keep the defaults)."""
+    return {key: True for key in ("batch_clients", "flush_denormal") if getattr(args, key, False)}
+
+
 def csv(text: str) -> list[str]:
     """A comma-separated command-line value as its non-empty, stripped items."""
     return [t.strip() for t in text.split(",") if t.strip()]

@@ -990,8 +990,8 @@ def main(args: argparse.Namespace) -> int:
     for cfg in cells:  # validate the whole grid before running anything
         if getattr(args, "device", None):
             cfg["device"] = args.device
-        if getattr(args, "batch_clients", False):
-            cfg["simulator"] = {"batch_clients": True}
+        if simulator := common.simulator_flags(args):
+            cfg["simulator"] = simulator
         validate(cfg)
 
     def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
