@@ -169,6 +169,7 @@ def test_flushed_subnormals_cache_their_uploads_apart(tmp_path, tiny_config, mon
 
     asked: list[bool] = []
     monkeypatch.setattr(simulator, "flush_denormals", lambda: asked.append(True) or True)
+    monkeypatch.setattr(simulator, "flush_denormal_setting", lambda: bool(asked))  # on once asked for
     cfg = copy.deepcopy(tiny_config)
     cache = tmp_path / "cache"
     plain = Simulator(prepare(validate(cfg)), tmp_path / "a", cache, quiet=True).run()
@@ -179,6 +180,12 @@ def test_flushed_subnormals_cache_their_uploads_apart(tmp_path, tiny_config, mon
     assert plain["results"]["fedavg"]["cached_uploads"] == 0 and flushed["results"]["fedavg"]["cached_uploads"] == 0
     infos = [json.loads(p.read_text()) for p in cache.rglob("*.json")]
     assert sorted(i["fingerprint"].get("flush_denormal", False) for i in infos) == [False] * 3 + [True] * 3
+    # the process stays flushed: a later run that does not ask is keyed as flushed too
+    cfg["simulator"] = {}
+    later = Simulator(prepare(validate(cfg)), tmp_path / "l", cache, quiet=True).run()
+    assert later["results"]["fedavg"]["cached_uploads"] == 3
+    assert later["results"]["fedavg"]["uploads_sha256"] == flushed["results"]["fedavg"]["uploads_sha256"]
     monkeypatch.setattr(simulator, "flush_denormals", lambda: False)  # a CPU that cannot
+    cfg["simulator"] = {"flush_denormal": True}
     with pytest.raises(ConfigError, match="cannot flush subnormal"):
         Simulator(prepare(validate(cfg)), tmp_path / "c", cache, quiet=True)

@@ -137,10 +137,11 @@ class Simulator:
         self.batch_clients = bool(exp.cfg.get("simulator", {}).get("batch_clients")) and transport is None
         # ``simulator.flush_denormal``: subnormal floats flushed to zero in this process (hetfl.host;
         # fully so where the command line set it before any torch work); other bits, so the uploads
-        # are cached under keys of their own
-        self.flush_denormal = bool(exp.cfg.get("simulator", {}).get("flush_denormal")) and transport is None
-        if self.flush_denormal and not flush_denormals():
+        # are cached under keys of their own. The keys follow the process, which stays flushed once an
+        # earlier run in it asked for that.
+        if exp.cfg.get("simulator", {}).get("flush_denormal") and transport is None and not flush_denormals():
             raise ConfigError("simulator.flush_denormal: this CPU cannot flush subnormal floats to zero")
+        self.flush_denormal = flush_denormal_setting() and transport is None
         self.transport = transport
         if transport is None and exp.partition is None:
             raise ValueError("an in-process simulation needs the partitioned client data")
@@ -208,7 +209,8 @@ class Simulator:
         )
 
     def _fingerprint(self, cid: int) -> dict[str, Any]:
-        """What the cache keys a client's data by; batched training marks it (other bits)."""
+        """What the cache keys a client's data by; batched training and flushed subnormals mark it
+        (other bits)."""
         fingerprint = self.exp.fingerprint(cid)
         if self.batch_clients:
             fingerprint["batched"] = True
