@@ -82,9 +82,9 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # (`precision_report`), not in the standing table or the one-cache sections.
     "reduced-t60-g30-bf16": {**REDUCED, "epochs": 60, "generator_steps": 30, "precision": "bf16"},
     # `paper` with bf16 autocast in the clients' local training too (`client.precision`), for CPUs with
-    # AMX, where it makes a whole cell fit about three hours on 2 cores (forty-ninth and fiftieth
-    # sessions). Its clients differ from `paper`'s, so its cells have no fp32 twin on the same uploads
-    # and get a table of their own; FedDF keeps fp32 (4 min here).
+    # AMX, where a whole cell takes about five hours on 2 cores (forty-ninth and fiftieth sessions;
+    # Co-Boosting about half of it). Its clients differ from `paper`'s, so its cells have no fp32 twin
+    # on the same uploads and get a table of their own; FedDF keeps fp32 (4 min here).
     "paper-bf16": {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
                    "strat_batch_size": 64, "feddf_steps": 10000, "ours": {"temperature": 20.0},
                    "precision": "bf16", "client_precision": "bf16"},
