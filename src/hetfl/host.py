@@ -15,8 +15,9 @@ Opt out with ``HETFL_MALLOC=default``. Elsewhere than glibc (macOS, musl) it doe
 
 Subnormal floats (below 1.2e-38 in magnitude) take a slow path in x86 arithmetic. A client whose
 loss has reached 0, as a one-class client's does after a few epochs, computes mostly with them: on
-an Intel Xeon with AMX, cnn2 on MNIST's 6,131 images of one class took 2.2 s per epoch in bf16
-autocast, 0.7 s with subnormals flushed to zero (docs/BENCHMARKS.md). :func:`flush_denormals` sets
+an Intel Xeon with AMX, cnn2 on MNIST's 6,131 images of one class took 1.12 s per epoch in bf16
+autocast and 26.4 s in fp32, against 0.38 s and 0.61 s with subnormals flushed to zero, ending with
+the same parameters to six decimals (docs/BENCHMARKS.md, "Subnormal floats"). :func:`flush_denormals` sets
 the CPU's flush-to-zero and denormals-are-zero flags. They belong to each thread, and torch's
 worker threads copy them when they start, so the flags reach every thread only when they are set
 before torch's first parallel operation: the command line does that where the config asks for
