@@ -274,9 +274,11 @@ def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: 
 
 
 def simulator_flags(args: Any) -> dict[str, bool]:
-    """The ``simulator`` settings that ``hetfl reproduce``'s ``--batch-clients`` and ``--flush-denormal``
-    ask for ({} for neither: the cells keep the defaults)."""
-    return {key: True for key in ("batch_clients", "flush_denormal") if getattr(args, key, False)}
+    """The ``simulator`` settings that ``hetfl reproduce``'s flags of the same names ask for
+    (``--batch-clients``, ``--flush-denormal``; {} for none: the cells keep the defaults)."""
+    from hetfl.config import SIMULATOR_KEYS
+
+    return {key: True for key in SIMULATOR_KEYS if getattr(args, key, False)}
 
 
 def csv(text: str) -> list[str]:

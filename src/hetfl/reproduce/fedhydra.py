@@ -56,17 +56,18 @@ ABLATION = [(1.0, 1.0), (0.5, 1.0), (0.0, 1.0), (1.0, 0.5), (1.0, 0.0), (0.0, 0.
 PAPER_ABLATION = {"mnist": [88.75, 84.61, 83.29, 81.54, 76.19, 74.14],
                   "fmnist": [77.20, 76.72, 76.07, 73.72, 70.64, 69.38]}
 
+# The paper's Sec. 4.1.5: local E = 200, T_g = 200, T_G = 30 (batch 256 as DENSE's README). `ours`:
+# settings of our variant (VARIANT) at this budget only. Its KD at temperature 1 collapsed to one class
+# at Fashion-MNIST Dir(0.5) in 7 of 7 GPU runs of 200 epochs; at DENSE's temperature 20 in 0 of 4
+# (thirty-seventh session, docs/results/fedhydra-notes.md). The reduced budgets keep temperature 1,
+# the setting their archived cells ran with; at `reduced` 20 was no consistent gain (9 paired Fashion runs).
+PAPER_BUDGET: dict[str, Any] = {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
+                                "strat_batch_size": 64, "feddf_steps": 10000, "ours": {"temperature": 20.0}}
 # Fits the whole 2 x 5 x 3 grid into a few hours on 2 CPU cores; see docs/results/fedhydra.md.
 REDUCED: dict[str, Any] = {"client_epochs": 10, "epochs": 20, "generator_steps": 10, "batch_size": 64,
                            "strat_batch_size": 16, "feddf_steps": 1000}
 BUDGETS: dict[str, dict[str, Any]] = {
-    # The paper's Sec. 4.1.5: local E = 200, T_g = 200, T_G = 30 (batch 256 as DENSE's README). `ours`:
-    # settings of our variant (VARIANT) at this budget only. Its KD at temperature 1 collapsed to one class
-    # at Fashion-MNIST Dir(0.5) in 7 of 7 GPU runs of 200 epochs; at DENSE's temperature 20 in 0 of 4
-    # (thirty-seventh session, docs/results/fedhydra-notes.md). The reduced budgets keep temperature 1,
-    # the setting their archived cells ran with; at `reduced` 20 was no consistent gain (9 paired Fashion runs).
-    "paper": {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
-              "strat_batch_size": 64, "feddf_steps": 10000, "ours": {"temperature": 20.0}},
+    "paper": PAPER_BUDGET,
     "reduced": REDUCED,
     # `reduced` with T_g = 60 server epochs: the paper's Fig. 3 (Fashion-MNIST) and Fig. 10 (MNIST) place
     # FedHydra's peak after about 50 epochs ("can reach the peak at 60 epochs"), past `reduced`'s 20.
@@ -85,9 +86,7 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # AMX, where a whole cell takes about five hours on 2 cores (forty-ninth and fiftieth sessions;
     # Co-Boosting about half of it). Its clients differ from `paper`'s, so its cells have no fp32 twin
     # on the same uploads and get a table of their own; FedDF keeps fp32 (4 min here).
-    "paper-bf16": {"client_epochs": 200, "epochs": 200, "generator_steps": 30, "batch_size": 256,
-                   "strat_batch_size": 64, "feddf_steps": 10000, "ours": {"temperature": 20.0},
-                   "precision": "bf16", "client_precision": "bf16"},
+    "paper-bf16": {**PAPER_BUDGET, "precision": "bf16", "client_precision": "bf16"},
 }
 
 
