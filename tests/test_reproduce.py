@@ -1485,3 +1485,29 @@ def test_shipped_vgg9_trial_config_is_the_reproduce_cell():
     cell = mho.cell_config("fmnist", "0.5", 0, "vgg9-e10")
     assert {k: v for k, v in shipped.items() if k != "methods"} == {k: v for k, v in cell.items() if k != "methods"}
     assert shipped["methods"] and all(cell["methods"][m] == p for m, p in shipped["methods"].items())
+
+
+def test_a_resumed_cell_starts_all_its_missing_methods_at_once(tmp_path, tiny_config):
+    """A second device call finds the cell's summary (ensemble and FedAvg done) and its long methods
+    half-way: an uploads-only job (from the cache: nothing retrained), then every missing method side
+    by side; not the first method alone with the others (and their checkpoints) waiting for it."""
+    from hetfl.reproduce.common import _plan, run_cells_parallel
+
+    gen = {"epochs": 1, "generator_steps": 1, "batch_size": 8}
+    cheap = {**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}}}
+    cache = tmp_path / "cache"
+    assert run_cells_parallel([cheap], tmp_path / "r", cache, None, jobs=3, threads=1, say=lambda _: None) == []
+    full = validate({**cheap, "methods": {**cheap["methods"], "dense": gen, "coboosting": gen}})
+    plan = _plan([full], tmp_path / "r")
+    assert [(j.methods, j.clients, sorted(j.warm)) for j in plan.ready] == [([], [0, 1, 2], ["coboosting", "dense"])]
+    assert [j.methods for j in plan.later["tiny"]] == [["dense"], ["coboosting"]]
+    assert len(_plan([full], tmp_path / "r", client_jobs=3).ready) == 3  # one shard per client
+    lines: list[str] = []
+    assert run_cells_parallel([full], tmp_path / "r", cache, None, jobs=3, threads=1, say=lines.append) == []
+    started = [line for line in lines if line.endswith("started")]
+    assert started == ["tiny: clients 0,1,2 started", "tiny: dense started", "tiny: coboosting started"]
+    assert lines.index("tiny: coboosting started") < min(i for i, x in enumerate(lines) if "dense done" in x)
+    res = json.loads((tmp_path / "r" / "tiny" / "summary.json").read_text())["results"]
+    assert set(res) == {"ensemble", "fedavg", "dense", "coboosting"}
+    assert res["dense"]["cached_uploads"] == res["coboosting"]["cached_uploads"] == 3
+    assert res["dense"]["uploads_sha256"] == res["fedavg"]["uploads_sha256"]

@@ -553,25 +553,34 @@ def _plan(cells: list[dict[str, Any]], root: Path, client_jobs: int = 1) -> _Pla
     and the clients' job is held until they all end (it then finds every upload in the cache)."""
     plan = _Plan([], {})
     for cfg in cells:
-        todo = missing_methods(cfg, prior_results(root / cfg["name"], cfg))
+        name = cfg["name"]
+        prior = prior_results(root / name, cfg)
+        todo = missing_methods(cfg, prior)
         if not todo:
             continue
-        name = cfg["name"]
-        first = [m for m in todo if m in CHEAP] or todo[:1]
+        first = [m for m in todo if m in CHEAP]
+        if not first and not prior:  # the cell has no summary yet: its clients' job writes the first
+            first = todo[:1]
         parts = root / ".parts" / name
         parts.mkdir(parents=True, exist_ok=True)
         rest = [m for m in todo if m not in first]
+        plan.later[name] = [_Job(name, [m], parts / m, parts / f"{m}.log") for m in rest]
+        shards = client_shards(int(cfg["clients"]), client_jobs)
+        if not first:  # a resumed cell (say, a second device call): uploads only, then every method at
+            # once, rather than its slowest methods waiting for the first one to end
+            plan.ready += [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
+                           for k, ids in enumerate(shards)]
+            plan.shards[name] = len(shards)
+            continue
         # the clients' job also trains the uploads the other methods ask for (FedMHO's CVAEs, say),
         # so that the workers started after it do not train the same request side by side
         clients = _Job(name, first, root / name, parts / "clients.log", warm=rest)
-        shards = client_shards(int(cfg["clients"]), client_jobs)
         if len(shards) > 1:  # else the clients' job trains them all, as without client_jobs
             plan.ready += [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
                            for k, ids in enumerate(shards)]
             plan.held[name], plan.shards[name] = clients, len(shards)
         else:
             plan.ready.append(clients)
-        plan.later[name] = [_Job(name, [m], parts / m, parts / f"{m}.log") for m in rest]
     return plan
 
 
@@ -601,9 +610,13 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
 
     Per cell, one job first trains the client uploads of every missing method into the upload cache
     (classifiers and, for FedMHO, CVAEs) and runs the methods that only need the uploads (ensemble,
-    FedAvg; or the first missing method) into the cell folder; then every other missing method runs
-    in a worker of its own on those cached uploads, into ``root/.parts/<cell>/<method>``, and is
-    merged into the cell folder as soon as it is done (only this process writes there). This is what
+    FedAvg; or, in a cell with no summary yet, the first missing method) into the cell folder; then
+    every other missing method runs in a worker of its own on those cached uploads, into
+    ``root/.parts/<cell>/<method>``, and is
+    merged into the cell folder as soon as it is done (only this process writes there). A cell that
+    has a summary but none of those cheap methods left (a resumed call) gets an uploads-only job (the
+    shards of ``client_jobs``, or one), and then all its missing methods start at once, so that the
+    long ones resume from their checkpoints instead of waiting for a short one to end. This is what
     keeps a GPU busy: one data-free method alone leaves it mostly idle between small kernels. Each
     worker gets ``threads`` torch threads (default: the CPU count divided by the number of workers that
     can run beside it when it starts, :func:`worker_threads`: a cell's clients' job alone gets every core).
@@ -676,8 +689,8 @@ def _advance(plan: _Plan, job: _Job, ok: bool, root: Path, by_name: dict[str, di
             plan.later.pop(cell, None)
             return
         shutil.rmtree(job.out, ignore_errors=True)  # its uploads are in the cache, its log stays
-        if plan.shards[cell] == 0 and cell in plan.held:
-            plan.ready.append(plan.held.pop(cell))
+        if plan.shards[cell] == 0:  # the clients' job, or (a resumed cell) its methods, may start
+            plan.ready.extend([plan.held.pop(cell)] if cell in plan.held else plan.later.pop(cell, []))
     elif job.out == root / cell:  # the clients' job: the other methods may start now
         rest = plan.later.pop(cell, [])
         plan.ready.extend(rest if ok else [])
