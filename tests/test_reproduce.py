@@ -1511,3 +1511,27 @@ def test_a_resumed_cell_starts_all_its_missing_methods_at_once(tmp_path, tiny_co
     assert set(res) == {"ensemble", "fedavg", "dense", "coboosting"}
     assert res["dense"]["cached_uploads"] == res["coboosting"]["cached_uploads"] == 3
     assert res["dense"]["uploads_sha256"] == res["fedavg"]["uploads_sha256"]
+
+
+def test_client_shards_minutes_count_in_the_cells_minutes(tmp_path, tiny_config):
+    """The shards write no summary: their wall minutes go into the cell's (after the clients' job, or
+    at once in a resumed cell), so a cell's minutes count every process that worked on it."""
+    import time
+
+    from hetfl.reproduce.common import _advance, _plan, cell_minutes
+
+    gen = {"epochs": 1, "generator_steps": 1, "batch_size": 8}
+    cfg = validate({**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}, "dense": gen}})
+    cell = tmp_path / "tiny"
+    cell.mkdir()
+    done = {**cfg, "methods": {"ensemble": {}, "fedavg": {}}}
+    (cell / "summary.json").write_text(json.dumps({"config": done, "minutes": 1.0, "results": {
+        m: {"accuracy": 10.0, "best_accuracy": 10.0} for m in ("ensemble", "fedavg")}}))
+    plan = _plan([cfg], tmp_path, client_jobs=2)
+    assert [j.clients for j in plan.ready] == [[0, 2], [1]] and not plan.held
+    for job, ago in zip(list(plan.ready), (90.0, 30.0)):
+        plan.ready.remove(job)
+        job.start = time.perf_counter() - ago
+        _advance(plan, job, True, tmp_path, {"tiny": cfg})
+    assert [j.methods for j in plan.ready] == [["dense"]]  # after the last shard
+    assert cell_minutes(json.loads((cell / "summary.json").read_text())) == pytest.approx(3.0, abs=0.01)

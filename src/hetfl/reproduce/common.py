@@ -544,6 +544,7 @@ class _Plan:
     later: dict[str, list[_Job]]  # per cell: the method jobs that start when its clients' job is done
     held: dict[str, _Job] = field(default_factory=dict)  # per cell: the clients' job, until its shards end
     shards: dict[str, int] = field(default_factory=dict)  # per cell: shards still running or to start
+    shard_minutes: dict[str, float] = field(default_factory=dict)  # per cell: its ended shards' wall minutes
 
 
 def _plan(cells: list[dict[str, Any]], root: Path, client_jobs: int = 1) -> _Plan:
@@ -689,13 +690,29 @@ def _advance(plan: _Plan, job: _Job, ok: bool, root: Path, by_name: dict[str, di
             plan.later.pop(cell, None)
             return
         shutil.rmtree(job.out, ignore_errors=True)  # its uploads are in the cache, its log stays
-        if plan.shards[cell] == 0:  # the clients' job, or (a resumed cell) its methods, may start
-            plan.ready.extend([plan.held.pop(cell)] if cell in plan.held else plan.later.pop(cell, []))
+        plan.shard_minutes[cell] = plan.shard_minutes.get(cell, 0.0) + (time.perf_counter() - job.start) / 60
+        if plan.shards[cell] == 0 and cell in plan.held:  # the clients' job may start
+            plan.ready.append(plan.held.pop(cell))
+        elif plan.shards[cell] == 0:  # a resumed cell: its summary is there, and its methods may start
+            add_minutes(root / cell, plan.shard_minutes.pop(cell))
+            plan.ready.extend(plan.later.pop(cell, []))
     elif job.out == root / cell:  # the clients' job: the other methods may start now
         rest = plan.later.pop(cell, [])
         plan.ready.extend(rest if ok else [])
+        if ok:
+            add_minutes(root / cell, plan.shard_minutes.pop(cell, 0.0))
     elif ok:
         _merge_part(by_name[cell], root / cell, job)
+
+
+def add_minutes(cell_out: Path, minutes: float) -> None:
+    """Add ``minutes`` (say, the cell's client shards', which write no summary of their own) to the
+    cell's summary, so that its minutes count every process that worked on it."""
+    summary_file = cell_out / "summary.json"
+    if minutes and summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        summary["minutes"] = summary.get("minutes", 0.0) + minutes
+        write_json_atomic(summary_file, summary)
 
 
 def run_grid_parallel(cells: list[dict[str, Any]], root: Path, cache: Path, data_root: str | None, jobs: int,
