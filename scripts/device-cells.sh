@@ -33,7 +33,10 @@
 # uploads elsewhere; small models only), OUT (default ./device-out), PY (default python3), WORK (the
 # working folder, default device-work: two invocations side by side, e.g. with different METHODS,
 # need different ones), BATCH (1: `--batch-clients`, each cell's equal classifier clients trained as
-# one vectorised batch; time it first with scripts/bench_batch_clients.py).
+# one vectorised batch; time it first with scripts/bench_batch_clients.py), UPLOADS (a folder of
+# archived upload caches, one subfolder per cell name, e.g. docs/results/fedhydra-runs/uploads: a cell
+# found there has them imported into its cache first, re-keyed for DEV with `hetfl cache import`, so
+# that its methods run on the archived cell's byte-identical uploads instead of training new clients).
 set -u
 T0=$(date +%s)
 CELLS=${CELLS:?"CELLS='dataset:setting:seed ...' is required"}
@@ -51,6 +54,17 @@ cell() { # index dataset setting seed
   l=$(left)
   if [ "$l" -le 30 ]; then echo "skip $2 $3 $4: deadline" >> "$log"; return 0; fi
   echo "cell $2 $3 $4 start at $(( $(date +%s) - T0 ))s" >> "$log"
+  if [ -n "${UPLOADS:-}" ]; then
+    local name
+    name=$($PY -c "import sys; from hetfl.reproduce.$PAPER import cell_config
+print(cell_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])['name'])" "$2" "$3" "$4" "$BUDGET" 2>> "$log")
+    if [ -n "$name" ] && [ -d "$UPLOADS/$name" ]; then
+      $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" cache import --device "$DEV" \
+        --cache-dir "$work/cache/$1" "$UPLOADS/$name" >> "$log" 2>&1
+    else
+      echo "no archived uploads for ${name:-this cell} in $UPLOADS: its clients are trained here" >> "$log"
+    fi
+  fi
   timeout -k 30 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" reproduce "$PAPER" \
     --budget "$BUDGET" --datasets "$2" --settings "$3" --seeds "$4" ${METHODS:+--methods "$METHODS"} ${JOBS:+--jobs "$JOBS"} ${CLIENT_JOBS:+--client-jobs "$CLIENT_JOBS"} ${BATCH:+--batch-clients} \
     --device "$DEV" --data-root data --cache-dir "$work/cache/$1" --out "$work/runs/$1" \
