@@ -580,3 +580,64 @@ def test_config_key_leaves_later_keys_out_at_their_default():
     assert "grad_clip" not in json.loads(config_key(DataFreeConfig()))  # keys of older checkpoints unchanged
     assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
     assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
+
+
+def test_feddf_resumes_an_interrupted_distillation_to_the_same_students(tmp_path, monkeypatch):
+    """FedDF saves each student's distillation (and the teachers' logits): a run stopped in its second
+    student's distillation, by an exception after periodic saves or by Ctrl-C (saved after the step
+    under way), goes on from there and ends with the uninterrupted run's students, accuracy and best
+    accuracy; the teachers' pass is not repeated, no evaluation is logged twice, the files go at the end."""
+    import signal
+
+    from hetfl.methods import feddf as feddf_module
+
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["client"].update(model=["cnn2", "lenet5", "cnn2"], epochs=2)
+    cfg["methods"] = {"feddf": {"steps": 20, "eval_every": 5, "aux_size": 100, "prototypes": "all"}}
+    full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()["results"]
+    original_kl, original_predict = feddf_module.kl_div, feddf_module.predict_logits
+
+    def run_stopped(name: str, stop_at: int, how: str, every_s: float) -> dict:
+        calls, passes = [], []
+
+        def kl(*args, **kw):
+            calls.append(1)
+            if len(calls) == stop_at and how == "raise":
+                raise KeyboardInterrupt
+            if len(calls) == stop_at:
+                signal.raise_signal(signal.SIGINT)  # held back until the step is done and saved
+            return original_kl(*args, **kw)
+
+        def predict(*args, **kw):
+            passes.append(1)
+            return original_predict(*args, **kw)
+
+        monkeypatch.setattr(feddf_module, "CHECKPOINT_EVERY_S", every_s)
+        monkeypatch.setattr(feddf_module, "kl_div", kl)
+        monkeypatch.setattr(feddf_module, "predict_logits", predict)
+        with pytest.raises(KeyboardInterrupt):
+            Simulator(prepare(validate(cfg)), tmp_path / name, tmp_path / "cache", quiet=True).run()
+        assert passes == [1] and (tmp_path / name / "feddf" / "teacher-logits.safetensors").is_file()
+        calls.clear()
+        passes.clear()
+        resumed = Simulator(prepare(validate(cfg)), tmp_path / name, tmp_path / "cache", quiet=True).run()["results"]
+        assert passes == []  # the teachers' logits came from the interrupted run
+        return {"resumed": resumed, "steps_after": len(calls)}
+
+    for name, stop_at, how, every_s in (("raised", 31, "raise", 0.0), ("ctrl-c", 27, "signal", 1e9)):
+        got = run_stopped(name, stop_at, how, every_s)
+        r, f = got["resumed"]["feddf"], full["feddf"]
+        # the second student (lenet5) had done 10 steps (exception: saved after every step) or 7 (Ctrl-C
+        # during step 7: saved once that step was done); the headline's 20 steps were saved at its end
+        assert got["steps_after"] == (10 if how == "raise" else 13)
+        assert r["resumed_from_step"] == (10 if how == "raise" else 7)
+        assert r["accuracy"] == f["accuracy"] and r["best_accuracy"] == f["best_accuracy"]
+        assert r["models"] == f["models"]
+        for student in ("feddf", "feddf_lenet5"):
+            a = load_file(str(tmp_path / name / "feddf" / f"{student}.safetensors"))
+            b = load_file(str(tmp_path / "full" / "feddf" / f"{student}.safetensors"))
+            assert all(torch.equal(a[k], b[k]) for k in b), student
+        rows = [json.loads(x) for x in (tmp_path / name / "feddf" / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in rows if "accuracy" in x and x["step"] > 0] == [5, 10, 15, 20]
+        assert not list((tmp_path / name / "feddf").glob("*checkpoint*")) and not list(
+            (tmp_path / name / "feddf").glob("teacher-logits*"))

@@ -443,7 +443,7 @@ class Simulator:
         if isinstance(method, RoundMethod):
             models = self._rounds(name, method, ctx, ledger, history, config_hash(self.exp.cfg, name))
         else:
-            if not (ctx.out_dir / "checkpoint.json").is_file():  # a checkpointing stage trims on resume itself
+            if not any(ctx.out_dir.glob("checkpoint*")):  # a checkpointing stage trims on resume itself
                 self._trim_metrics(name, -1)
             models = self._one_shot(method, ctx, ledger)
         seconds = time.perf_counter() - start

@@ -49,7 +49,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hetfl.fl.method import ServerContext, derive_seed
-from hetfl.fl.training import autocast, check_precision, load_momentum, momentum_tensors
+from hetfl.fl.training import (
+    autocast,
+    check_precision,
+    load_momentum,
+    load_optimizer_tensors,
+    momentum_tensors,
+    optimizer_tensors,
+)
 from hetfl.models.generator import Generator
 
 
@@ -351,9 +358,8 @@ class DataFreeDistiller:
         for i, (x, y, logits) in enumerate(self.pool):
             tensors[f"pool.{i}.x"], tensors[f"pool.{i}.y"], tensors[f"pool.{i}.L"] = x, y, logits
         tensors.update(momentum_tensors(self.opt, "opt."))
-        for i, p in enumerate(self.generator.parameters()):  # Adam state (the generator persists in FedHydra)
-            for name, value in self.gen_opt.state.get(p, {}).items():
-                tensors[f"gen_opt.{i}.{name}"] = torch.as_tensor(value)
+        # the generator's Adam states (G persists in FedHydra); a z optimised with it is drawn anew each epoch
+        tensors.update(optimizer_tensors(self.gen_opt, "gen_opt.", list(self.generator.parameters())))
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         blob, info = self._ckpt_paths()
         # Atomic: each file is written beside its target and renamed over it, and the blob carries its
@@ -389,10 +395,7 @@ class DataFreeDistiller:
             self.pool.append((t[f"pool.{i}.x"], t[f"pool.{i}.y"], t[f"pool.{i}.L"]))
         load_momentum(self.opt, t, "opt.")
         if not self.recipe.reset_generator:
-            for i, p in enumerate(self.generator.parameters()):
-                state = {k.split(".")[-1]: v.clone() for k, v in t.items() if k.startswith(f"gen_opt.{i}.")}
-                if state:
-                    self.gen_opt.state[p] = state
+            load_optimizer_tensors(self.gen_opt, t, "gen_opt.", list(self.generator.parameters()))
         if self.schedule is not None:
             with warnings.catch_warnings():  # fast-forwarding the schedule: no optimizer step is due
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))

@@ -146,6 +146,41 @@ def load_momentum(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], 
         opt.state[params[i]]["momentum_buffer"] = buf.to(params[i].device).clone()
 
 
+def _params(opt: torch.optim.Optimizer, params: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    return params if params is not None else [p for group in opt.param_groups for p in group["params"]]
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str,
+                      params: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every per-parameter state of an optimiser (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's
+    momentum) as ``{prefix + parameter index + "." + name: tensor}``, for a checkpoint; ``params``: only
+    these of its parameters, indexed in this order (default: all, in the optimiser's order)."""
+    params = _params(opt, params)
+    return {f"{prefix}{i}.{name}": torch.as_tensor(value) for i, p in enumerate(params)
+            for name, value in opt.state.get(p, {}).items() if value is not None}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], prefix: str,
+                           params: list[torch.Tensor] | None = None) -> None:
+    """Set the states :func:`optimizer_tensors` wrote (with the same ``params``; other keys are ignored);
+    raises ValueError, before changing anything, for a state of a parameter that is not there or of
+    another shape."""
+    params = _params(opt, params)
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        index, _, name = k[len(prefix):].partition(".")
+        if k.startswith(prefix) and index.isdigit() and name:
+            found.setdefault(int(index), {})[name] = v
+    bad = [i for i, state in found.items() if i >= len(params)
+           or any(v.dim() and v.shape != params[i].shape for v in state.values())]
+    if bad:
+        raise ValueError(f"optimiser states {bad} do not fit the optimiser's parameters")
+    for i, state in found.items():
+        # a scalar (Adam's step) stays on the CPU, where a non-fused, non-capturable Adam keeps it
+        opt.state[params[i]] = {name: (v.to(params[i].device) if v.dim() else v.cpu()).clone()
+                                for name, v in state.items()}
+
+
 @dataclass
 class TrainState:
     """Where a local training stands: ``step`` batches of epoch ``epoch`` (0-based) done, ``batches``

@@ -28,6 +28,14 @@ most of the first evaluation interval (18.6 min against 1.9 s per student step o
 The teachers run in channels_last for that pass (VGG-9 inference 2.5 s per 1,000 images against
 3.2-3.7 s contiguous there; logits equal up to float summation order, 1.7e-8).
 
+Checkpoints (ours; the public code has none): the teachers' logits are kept in ``teacher-logits.safetensors``
+once computed, and each student's distillation saves its state (weights, Adam's moments, the
+schedule's step, the batch generator's state and the evaluations so far) every
+``CHECKPOINT_EVERY_S`` seconds, at its last step, and on SIGINT or SIGTERM after the step under way,
+in the method's folder (safetensors, no pickle). The same run again goes on from there (a device
+call stopped by its deadline loses at most a step); the files go once the method is done. A resumed
+distillation ends where an uninterrupted one does, to the bit on the same device and thread count.
+
 ``precision: bf16`` (ours, default fp32 as every archived run): bf16 autocast for the teachers' pass
 and the students' training forwards, with the students in channels_last too, for CPUs with native
 bf16 and for GPUs. The teachers' logits are averaged and kept in fp32 (:class:`Ensemble`), the KL is
@@ -37,7 +45,12 @@ Measured in docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,9 +61,43 @@ from hetfl.data import ImageDataset, load_dataset
 from hetfl.fl.aggregate import Ensemble, vote, weighted_average
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
-from hetfl.fl.payload import Payload
-from hetfl.fl.training import autocast, check_precision, predict_logits, prepare
+from hetfl.fl.payload import Payload, PayloadError
+from hetfl.fl.training import (
+    autocast,
+    check_precision,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    predict_logits,
+    prepare,
+    stop_deferred,
+)
 from hetfl.methods.common import client_models, group_by_arch
+
+CHECKPOINT_EVERY_S = 120.0  # a student's distillation saves its state this often (and at its end)
+
+
+def save_atomic(path: Path, payload: Payload) -> None:
+    """``payload`` to ``path`` through a temporary file and a rename: a stop leaves the previous file."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(payload.to_bytes())
+    os.replace(tmp, path)
+
+
+def load_matching(path: Path, key: str) -> Payload | None:
+    """The payload at ``path`` if it was written for ``key``; None (with a warning for a file that
+    cannot be read or belongs to another run) otherwise."""
+    if not path.is_file():
+        return None
+    try:
+        saved = Payload.from_bytes(path.read_bytes())
+    except PayloadError as err:
+        warnings.warn(f"{path} not used ({err}); starting over", stacklevel=3)
+        return None
+    if saved.meta.get("key") != key:
+        warnings.warn(f"{path} not used (written for another configuration); starting over", stacklevel=3)
+        return None
+    return saved
+
 
 AUXILIARY = {"mnist": "fmnist", "fmnist": "mnist", "emnist": "mnist", "cifar10": "cifar100",
              "cifar100": "cifar10", "svhn": "cifar10", "cinic10": "cifar100", "synthetic": "synthetic"}
@@ -106,13 +153,10 @@ class FedDF(OneShotMethod):
         if aux_name is None:
             raise ValueError(f"feddf: no default auxiliary dataset for {ctx.dataset!r}; set aux_dataset")
         aux = auxiliary_images(aux_name, ctx, int(p["aux_size"]))
-        start = time.perf_counter()  # one pass of every teacher over the auxiliary set: long with VGG-9s
-        teachers = [prepare(m, ctx.device, channels_last=True) for m in models.values()]  # NHWC: faster convs
-        with autocast(ctx.device, p["precision"]):
-            teacher_logits = predict_logits(
-                Ensemble(teachers), aux, ctx.device,
-                progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} "
-                                                     "images", unit="batch"))
+        key = json.dumps({"params": p, "seed": ctx.seed, "server": ctx.server_arch, "aux": aux_name,
+                          "clients": [uploads[c].meta.get("client_id") for c in sorted(uploads)]}, sort_keys=True)
+        start = time.perf_counter()
+        teacher_logits = self._teacher_logits(models, aux, aux_name, key, ctx)
         ctx.record["teacher_seconds"] = round(time.perf_counter() - start, 1)
         groups = group_by_arch(uploads)
         archs = [ctx.server_arch] + ([a for a in groups if a != ctx.server_arch] if p["prototypes"] == "all" else [])
@@ -127,8 +171,11 @@ class FedDF(OneShotMethod):
             head = arch == ctx.server_arch  # the headline keeps the batch seed of single-student runs
             seed = derive_seed(ctx.seed, "feddf-batches", *(() if head else (arch,)))
             self._distil(student, aux, teacher_logits, ctx, track=head, seed=seed,
-                         desc="feddf: distillation" + ("" if head else f" [{arch}]"))
+                         desc="feddf: distillation" + ("" if head else f" [{arch}]"),
+                         checkpoint=self._checkpoint_path(ctx, arch), key=f"{key} {arch}")
             students[arch] = student
+        for path in [self._checkpoint_path(ctx, a) for a in archs] + [ctx.out_dir / "teacher-logits.safetensors"]:
+            path.unlink(missing_ok=True)  # done: the engine stores the result
         ctx.record["aux_dataset"] = aux_name
         ctx.record["distill_seconds"] = round(time.perf_counter() - start - ctx.record["teacher_seconds"], 1)
         out: dict[str, nn.Module] = {"feddf": students[ctx.server_arch]}
@@ -137,10 +184,33 @@ class FedDF(OneShotMethod):
             out["feddf[vote]"] = vote(list(students.values()))
         return out
 
+    @staticmethod
+    def _checkpoint_path(ctx: ServerContext, arch: str) -> Path:
+        return ctx.out_dir / f"checkpoint-{arch}.safetensors"
+
+    def _teacher_logits(self, models: dict[int, nn.Module], aux: ImageDataset, aux_name: str, key: str,
+                        ctx: ServerContext) -> torch.Tensor:
+        """The average teacher logits on the auxiliary set: one pass of every teacher (long with VGG-9s),
+        or the logits kept by an interrupted run of the same configuration."""
+        path = ctx.out_dir / "teacher-logits.safetensors"
+        saved = load_matching(path, key) if ctx.resume else None
+        if saved is not None and saved.tensors.get("logits") is not None and len(saved.tensors["logits"]) == len(aux):
+            return saved.tensors["logits"].to(ctx.device)
+        teachers = [prepare(m, ctx.device, channels_last=True) for m in models.values()]  # NHWC: faster convs
+        with autocast(ctx.device, self.params["precision"]):
+            logits = predict_logits(
+                Ensemble(teachers), aux, ctx.device,
+                progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} "
+                                                     "images", unit="batch"))
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        save_atomic(path, Payload({"logits": logits}, {"key": key}))
+        return logits
+
     def _distil(self, student: nn.Module, aux: ImageDataset, teacher_logits: torch.Tensor, ctx: ServerContext,
-                track: bool, seed: int, desc: str) -> None:
+                track: bool, seed: int, desc: str, checkpoint: Path, key: str) -> None:
         """``steps`` Adam steps (cosine decay) of KL to the teacher logits on random auxiliary batches;
-        evaluated every ``eval_every`` steps (only the headline student counts towards best accuracy)."""
+        evaluated every ``eval_every`` steps (only the headline student counts towards best accuracy).
+        Resumes from, and saves to, ``checkpoint`` (module docstring)."""
         p = self.params
         bf16 = p["precision"] == "bf16"
         if bf16:  # NHWC: oneDNN's fast bf16 convolutions; handed back contiguous below
@@ -148,21 +218,61 @@ class FedDF(OneShotMethod):
         opt = torch.optim.Adam(student.parameters(), lr=p["lr"])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p["steps"])
         g = torch.Generator().manual_seed(seed)
-        bar = ctx.progress(range(1, p["steps"] + 1), desc=desc, unit="step")
-        for step in bar:
-            idx = torch.randint(0, len(aux), (p["batch_size"],), generator=g)
-            student.train()
-            x, _ = aux.batch(idx, ctx.device)
-            with autocast(ctx.device, p["precision"]):
-                out = student(x)
-            loss = kl_div(teacher_logits[idx.to(teacher_logits.device)], out.float(), p["temperature"])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            schedule.step()
-            if track and (step % p["eval_every"] == 0 or step == p["steps"]):
-                acc = ctx.evaluate(student)["accuracy"]
-                ctx.log(step, accuracy=acc, kd_loss=float(loss.detach()))
-                bar.set_postfix(acc=f"{acc:.2f}")
+        done, history = self._resume(checkpoint, key, student, opt, schedule, g, ctx)
+        if track:
+            ctx.trim_log(done if done else -1)  # -1: a fresh start drops every old row
+            ctx.restore_history(history)
+        bar = ctx.progress(range(done + 1, p["steps"] + 1), desc=desc, unit="step", initial=done, total=p["steps"])
+        with stop_deferred() as stop:
+            saved_at = time.monotonic()
+            for step in bar:
+                idx = torch.randint(0, len(aux), (p["batch_size"],), generator=g)
+                student.train()
+                x, _ = aux.batch(idx, ctx.device)
+                with autocast(ctx.device, p["precision"]):
+                    out = student(x)
+                loss = kl_div(teacher_logits[idx.to(teacher_logits.device)], out.float(), p["temperature"])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                schedule.step()
+                if track and (step % p["eval_every"] == 0 or step == p["steps"]):
+                    acc = ctx.evaluate(student)["accuracy"]
+                    history.append(acc)
+                    ctx.log(step, accuracy=acc, kd_loss=float(loss.detach()))
+                    bar.set_postfix(acc=f"{acc:.2f}")
+                if (got := stop()) or step == p["steps"] or time.monotonic() - saved_at >= CHECKPOINT_EVERY_S:
+                    self._save(checkpoint, key, student, opt, g, step, history)
+                    saved_at = time.monotonic()
+                    if got:
+                        raise KeyboardInterrupt  # leaves the block, which delivers the signal
         if bf16:  # hand the student back contiguous (as the uploads were built)
             student.to(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def _save(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator,
+              step: int, history: list[float]) -> None:
+        tensors = {f"student.{k}": v for k, v in student.state_dict().items()}
+        tensors |= optimizer_tensors(opt, "adam.") | {"rng.batches": g.get_state()}
+        save_atomic(path, Payload(tensors, {"key": key, "step": step, "history": history}))
+
+    @staticmethod
+    def _resume(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer,
+                schedule: torch.optim.lr_scheduler.LRScheduler, g: torch.Generator,
+                ctx: ServerContext) -> tuple[int, list[float]]:
+        """Restore a saved distillation into the student, optimiser, schedule and batch generator;
+        returns the steps done and the evaluations so far ((0, []) with nothing to resume)."""
+        saved = load_matching(path, key) if ctx.resume else None
+        if saved is None:
+            return 0, []
+        t = saved.tensors
+        student.load_state_dict({k[len("student."):]: v for k, v in t.items() if k.startswith("student.")})
+        load_optimizer_tensors(opt, t, "adam.")
+        g.set_state(t["rng.batches"])
+        step = int(saved.meta["step"])
+        with warnings.catch_warnings():  # fast-forwarding the schedule: no optimiser step is due
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            for _ in range(step):
+                schedule.step()
+        ctx.record["resumed_from_step"] = step
+        return step, list(saved.meta["history"])
