@@ -1502,6 +1502,9 @@ def test_a_resumed_cell_starts_all_its_missing_methods_at_once(tmp_path, tiny_co
     assert [(j.methods, j.clients, sorted(j.warm)) for j in plan.ready] == [([], [0, 1, 2], ["coboosting", "dense"])]
     assert [j.methods for j in plan.later["tiny"]] == [["dense"], ["coboosting"]]
     assert len(_plan([full], tmp_path / "r", client_jobs=3).ready) == 3  # one shard per client
+    fresh = _plan([validate({**cheap, "methods": {"dense": gen, "coboosting": gen}})], tmp_path / "new")
+    # a cell with no summary and no cheap method: its clients' job runs (and writes) the first method
+    assert [(j.methods, j.clients, j.warm) for j in fresh.ready] == [(["dense"], None, ["coboosting"])]
     lines: list[str] = []
     assert run_cells_parallel([full], tmp_path / "r", cache, None, jobs=3, threads=1, say=lines.append) == []
     started = [line for line in lines if line.endswith("started")]

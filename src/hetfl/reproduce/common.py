@@ -560,7 +560,7 @@ def _plan(cells: list[dict[str, Any]], root: Path, client_jobs: int = 1) -> _Pla
         if not todo:
             continue
         first = [m for m in todo if m in CHEAP]
-        if not first and not prior:  # the cell has no summary yet: its clients' job writes the first
+        if not first and not prior["results"]:  # no summary yet: the clients' job writes the first
             first = todo[:1]
         parts = root / ".parts" / name
         parts.mkdir(parents=True, exist_ok=True)
