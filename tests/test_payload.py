@@ -114,3 +114,12 @@ def test_read_meta_reads_the_header_alone_and_rejects_other_files(tmp_path):
     path.write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00nope")
     with pytest.raises(PayloadError, match="not a hetfl payload"):
         Payload.read_meta(path)
+
+
+def test_write_replaces_the_file_whole_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "p.safetensors"
+    Payload({"w": torch.ones(3)}, {"step": 1}).write(path)
+    Payload({"w": torch.zeros(2)}, {"step": 2}).write(path)
+    back = Payload.from_bytes(path.read_bytes())
+    assert back.meta == {"step": 2} and torch.equal(back.tensors["w"], torch.zeros(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]

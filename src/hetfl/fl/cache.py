@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,9 +98,7 @@ class UploadCache:
     def put(self, key: str, payload: Payload, describe: dict[str, Any]) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(payload.to_bytes())
-        os.replace(tmp, path)  # atomic: a crash never leaves a half-written upload
+        payload.write(path)  # atomic: a crash never leaves a half-written upload
         info = {"key": key, **describe, "meta": payload.meta}
         path.with_suffix(".json").write_text(json.dumps(info, indent=1, sort_keys=True))
 

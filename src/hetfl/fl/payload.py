@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,14 @@ class Payload:
     def to_bytes(self) -> bytes:
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
         return st_save(tensors, metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
+
+    def write(self, path: str | Path) -> None:
+        """:meth:`to_bytes` into ``path`` through a temporary file and a rename: a stop or a crash leaves
+        the previous file (or none), never half a payload."""
+        path = Path(path)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(self.to_bytes())
+        os.replace(tmp, path)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Payload:

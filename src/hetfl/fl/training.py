@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import os
 import signal
 import threading
 import time
@@ -229,9 +228,7 @@ class TrainCheckpoint:
         meta = {**self._describe(cfg, seed), "epoch": state.epoch, "step": state.step, "count": state.count,
                 "loss": state.loss, "seconds": state.seconds}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
-        tmp.write_bytes(Payload(tensors, meta).to_bytes())
-        os.replace(tmp, self.path)  # atomic: an interrupted save leaves the previous checkpoint
+        Payload(tensors, meta).write(self.path)  # atomic: an interrupted save leaves the previous checkpoint
 
     def load(self, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, cfg: TrainConfig,
              seed: int) -> TrainState | None:

@@ -46,7 +46,6 @@ Measured in docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import warnings
@@ -74,13 +73,6 @@ from hetfl.fl.training import (
 from hetfl.methods.common import client_models, group_by_arch
 
 CHECKPOINT_EVERY_S = 120.0  # a student's distillation saves its state this often (and at its end)
-
-
-def save_atomic(path: Path, payload: Payload) -> None:
-    """``payload`` to ``path`` through a temporary file and a rename: a stop leaves the previous file."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(payload.to_bytes())
-    os.replace(tmp, path)
 
 
 def load_matching(path: Path, key: str) -> Payload | None:
@@ -203,7 +195,7 @@ class FedDF(OneShotMethod):
                 progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} "
                                                      "images", unit="batch"))
         ctx.out_dir.mkdir(parents=True, exist_ok=True)
-        save_atomic(path, Payload({"logits": logits}, {"key": key}))
+        Payload({"logits": logits}, {"key": key}).write(path)
         return logits
 
     def _distil(self, student: nn.Module, aux: ImageDataset, teacher_logits: torch.Tensor, ctx: ServerContext,
@@ -219,6 +211,8 @@ class FedDF(OneShotMethod):
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p["steps"])
         g = torch.Generator().manual_seed(seed)
         done, history = self._resume(checkpoint, key, student, opt, schedule, g, ctx)
+        if done:  # per student: {architecture: steps done before this run}
+            ctx.record.setdefault("resumed_from_step", {})[checkpoint.stem.removeprefix("checkpoint-")] = done
         if track:
             ctx.trim_log(done if done else -1)  # -1: a fresh start drops every old row
             ctx.restore_history(history)
@@ -254,7 +248,7 @@ class FedDF(OneShotMethod):
               step: int, history: list[float]) -> None:
         tensors = {f"student.{k}": v for k, v in student.state_dict().items()}
         tensors |= optimizer_tensors(opt, "adam.") | {"rng.batches": g.get_state()}
-        save_atomic(path, Payload(tensors, {"key": key, "step": step, "history": history}))
+        Payload(tensors, {"key": key, "step": step, "history": history}).write(path)
 
     @staticmethod
     def _resume(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer,
@@ -274,5 +268,4 @@ class FedDF(OneShotMethod):
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             for _ in range(step):
                 schedule.step()
-        ctx.record["resumed_from_step"] = step
         return step, list(saved.meta["history"])

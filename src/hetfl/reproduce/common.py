@@ -566,22 +566,18 @@ def _plan(cells: list[dict[str, Any]], root: Path, client_jobs: int = 1) -> _Pla
         parts.mkdir(parents=True, exist_ok=True)
         rest = [m for m in todo if m not in first]
         plan.later[name] = [_Job(name, [m], parts / m, parts / f"{m}.log") for m in rest]
-        shards = client_shards(int(cfg["clients"]), client_jobs)
-        if not first:  # a resumed cell (say, a second device call): uploads only, then every method at
-            # once, rather than its slowest methods waiting for the first one to end
-            plan.ready += [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
-                           for k, ids in enumerate(shards)]
-            plan.shards[name] = len(shards)
-            continue
+        shards = [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
+                  for k, ids in enumerate(client_shards(int(cfg["clients"]), client_jobs))]
         # the clients' job also trains the uploads the other methods ask for (FedMHO's CVAEs, say),
         # so that the workers started after it do not train the same request side by side
         clients = _Job(name, first, root / name, parts / "clients.log", warm=rest)
-        if len(shards) > 1:  # else the clients' job trains them all, as without client_jobs
-            plan.ready += [_Job(name, [], parts / f"clients-{k}", parts / f"clients-{k}.log", warm=todo, clients=ids)
-                           for k, ids in enumerate(shards)]
-            plan.held[name], plan.shards[name] = clients, len(shards)
-        else:
+        if first and len(shards) == 1:  # the clients' job trains them all, as without client_jobs
             plan.ready.append(clients)
+            continue
+        plan.ready += shards  # then the clients' job, held until they end; or, in a resumed cell (say, a
+        plan.shards[name] = len(shards)  # second device call), every method at once: none waits for another
+        if first:
+            plan.held[name] = clients
     return plan
 
 
@@ -695,7 +691,7 @@ def _advance(plan: _Plan, job: _Job, ok: bool, root: Path, by_name: dict[str, di
             plan.ready.append(plan.held.pop(cell))
         elif plan.shards[cell] == 0:  # a resumed cell: its summary is there, and its methods may start
             add_minutes(root / cell, plan.shard_minutes.pop(cell))
-            plan.ready.extend(plan.later.pop(cell, []))
+            plan.ready.extend(plan.later.pop(cell, []))  # none after a failed shard
     elif job.out == root / cell:  # the clients' job: the other methods may start now
         rest = plan.later.pop(cell, [])
         plan.ready.extend(rest if ok else [])
