@@ -1,6 +1,7 @@
 """FedHydra and the data-free one-shot family: values against slow references, invariants, runs."""
 
 import json
+import signal
 import warnings
 
 import numpy as np
@@ -350,6 +351,42 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     assert again["results"]["fedhydra"]["best_accuracy"] == 99.0
 
 
+def test_a_stop_signal_in_mid_epoch_saves_that_epoch_and_the_resume_gives_the_same_model(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Ctrl-C (or a parallel parent's SIGINT at a deadline) finishes the epoch under way and saves it,
+    though no periodic checkpoint is due: nothing done before the stop is redone."""
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"dense": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "checkpoint_every": 10}}
+    full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
+
+    from hetfl.fl.datafree import DataFreeDistiller
+
+    original = DataFreeDistiller.synthesize
+    calls = []
+
+    def interrupted(self, epoch):
+        calls.append(epoch)
+        if epoch == 3 and calls.count(3) == 1:
+            signal.raise_signal(signal.SIGINT)  # held back until epoch 3 is done and saved
+        return original(self, epoch)
+
+    monkeypatch.setattr(DataFreeDistiller, "synthesize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert "dense: stopping after this epoch, to save a checkpoint (SIGINT)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "dense" / "checkpoint.json").read_text())["epoch"] == 3
+    resumed = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert calls == [1, 2, 3, 4]  # epoch 3 was finished before the stop, and not redone
+    r, f = resumed["results"]["dense"], full["results"]["dense"]
+    assert r["resumed_from_epoch"] == 3
+    assert (r["accuracy"], r["best_accuracy"]) == pytest.approx((f["accuracy"], f["best_accuracy"]), abs=1e-6)
+    a = load_file(str(tmp_path / "run" / "dense" / "dense.safetensors"))
+    b = load_file(str(tmp_path / "full" / "dense" / "dense.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "dense" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, -1]
+
+
 def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path):
     """A stop between the blob's and the info file's writes must not restore epoch-4 weights as epoch 2."""
     cfg = json.loads(json.dumps(SMOKE))
@@ -587,7 +624,6 @@ def test_feddf_resumes_an_interrupted_distillation_to_the_same_students(tmp_path
     student's distillation, by an exception after periodic saves or by Ctrl-C (saved after the step
     under way), goes on from there and ends with the uninterrupted run's students, accuracy and best
     accuracy; the teachers' pass is not repeated, no evaluation is logged twice, the files go at the end."""
-    import signal
 
     from hetfl.methods import feddf as feddf_module
 

@@ -56,6 +56,7 @@ from hetfl.fl.training import (
     load_optimizer_tensors,
     momentum_tensors,
     optimizer_tensors,
+    stop_deferred,
 )
 from hetfl.models.generator import Generator
 
@@ -407,6 +408,29 @@ class DataFreeDistiller:
         return info["epoch"] + 1
 
     # -- the loop -------------------------------------------------------------------------------
+    def epoch(self, epoch: int) -> dict[str, Any]:
+        """One epoch of Alg. 1: synthesise, distil (fresh batches and replay), evaluate when due;
+        returns the epoch's metrics row."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        fresh = self.synthesize(epoch)
+        t1 = time.perf_counter()
+        row: dict[str, Any] = self.distill(fresh + self.replay_batches(epoch), new=len(fresh))
+        if cfg.pool_size != 0:
+            self.pool.extend(fresh)
+        self.last_batch = fresh[-1]
+        self.recipe.on_epoch_end(self, epoch)
+        if self.schedule is not None:
+            self.schedule.step()
+        t2 = time.perf_counter()
+        self.timing["generation"] += t1 - t0
+        self.timing["distillation"] += t2 - t1
+        if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
+            row["accuracy"] = self.ctx.evaluate(self.student)["accuracy"]
+            self.history.append(row["accuracy"])
+        self.timing["evaluation"] += time.perf_counter() - t2
+        return row
+
     def run(self, config_key: str = "", resume: bool = True) -> nn.Module:
         cfg, ctx = self.cfg, self.ctx
         start = self.load_checkpoint(config_key) if resume else 1
@@ -415,29 +439,18 @@ class DataFreeDistiller:
             ctx.record["resumed_from_epoch"] = start - 1
         bar = ctx.progress(range(start, cfg.epochs + 1), desc=f"{self.name}: distillation", unit="epoch",
                            initial=start - 1, total=cfg.epochs)
-        for epoch in bar:
-            t0 = time.perf_counter()
-            fresh = self.synthesize(epoch)
-            t1 = time.perf_counter()
-            row: dict[str, Any] = self.distill(fresh + self.replay_batches(epoch), new=len(fresh))
-            if cfg.pool_size != 0:
-                self.pool.extend(fresh)
-            self.last_batch = fresh[-1]
-            self.recipe.on_epoch_end(self, epoch)
-            if self.schedule is not None:
-                self.schedule.step()
-            t2 = time.perf_counter()
-            self.timing["generation"] += t1 - t0
-            self.timing["distillation"] += t2 - t1
-            if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
-                acc = ctx.evaluate(self.student)["accuracy"]
-                self.history.append(acc)
-                row["accuracy"] = acc
-                bar.set_postfix(acc=f"{acc:.2f}", best=f"{max(self.history):.2f}")
-            self.timing["evaluation"] += time.perf_counter() - t2
-            ctx.log(epoch, **row)
-            if epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs:
-                self.save_checkpoint(epoch, config_key)
+        # A stop (Ctrl-C, or the SIGINT a parallel parent sends at a deadline) lets the epoch under way
+        # finish and saves it, instead of losing the epochs since the last periodic checkpoint.
+        with stop_deferred(notice=f"{self.name}: stopping after this epoch, to save a checkpoint") as stop:
+            for epoch in bar:
+                row = self.epoch(epoch)
+                if "accuracy" in row:
+                    bar.set_postfix(acc=f"{row['accuracy']:.2f}", best=f"{max(self.history):.2f}")
+                ctx.log(epoch, **row)
+                if (got := stop()) or epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs:
+                    self.save_checkpoint(epoch, config_key)
+                    if got:
+                        raise KeyboardInterrupt  # leaves the block, which delivers the signal
         self.bn.remove()
         if cfg.channels_last:  # hand the models back contiguous (as the uploads were built)
             self._layout(torch.contiguous_format)

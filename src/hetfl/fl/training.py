@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -278,19 +279,26 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def stop_deferred() -> Iterator[Callable[[], signal.Signals | None]]:
+def stop_deferred(notice: str | None = None) -> Iterator[Callable[[], signal.Signals | None]]:
     """Hold SIGINT and SIGTERM back inside the block: a signal that arrives is only recorded, and the
     function yielded returns it (None while none came), so that a loop can finish its step, save and
     leave the block (raising KeyboardInterrupt). On the way out the previous handlers come back and a
     recorded signal is delivered to them: Python's SIGINT handler raises KeyboardInterrupt, the default
     SIGTERM ends the process. Outside the main thread (where handlers cannot be set) and for a signal
-    the process ignores, nothing changes."""
+    the process ignores, nothing changes. ``notice``, when given, is printed to stderr on the first
+    signal (for a step long enough that a silent wait would look like a hang)."""
     got: list[signal.Signals] = []
     previous: dict[signal.Signals, Any] = {}
+
+    def record(num: int, _frame: Any) -> None:
+        if notice is not None and not got:
+            print(f"\n{notice} ({signal.Signals(num).name})", file=sys.stderr, flush=True)
+        got.append(signal.Signals(num))
+
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, lambda num, _frame: got.append(signal.Signals(num)))
+                previous[sig] = signal.signal(sig, record)
     try:
         yield lambda: got[0] if got else None
     finally:
