@@ -1409,13 +1409,16 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         {"cell": "fmnist-0.5-s0, GPU", "method": "dense", "run": "call 1", "file": "a.jsonl", "change": "none"},
         {"cell": "fmnist-0.5-s0, GPU", "method": "dense", "run": "new", "file": "n.jsonl", "change": "lr"},
         {"cell": "fmnist-0.5-s0, CPU", "method": "dense", "run": "again", "file": "a.jsonl", "change": "none"},
-        {"cell": "mnist-0.01-s0", "method": "dense", "run": "m", "file": "n.jsonl", "change": "lr"}]}))
+        {"cell": "mnist-0.01-s0", "method": "dense", "run": "m", "file": "n.jsonl", "change": "lr"},
+        {"cell": "fmnist-2cc-s0, CPU", "method": "dense", "run": "c", "file": "n.jsonl", "change": "lr"}]}))
     body = curve_runs_report(folder, tmp_path / "r.md")
     # fmnist alpha 0.5: paper 77.20; the two "none" runs share a cell before the comma
     assert "| fmnist-0.5-s0 | none | 2 | 8 | 2 of 2 | 70.00 (70.00-70.00) | 9.90 (9.90-9.90) | 77.20 | 0.0 |" in body
     assert "| fmnist-0.5-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 77.20 | 0.0 |" in body
     # mnist alpha 0.01: paper 38.83, so all three epochs at 50 % are above it
     assert "| mnist-0.01-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 38.83 | 3.0 |" in body
+    # a 2c/c cell (named 2cc): the paper's Fashion-MNIST 2c/c, 39.06
+    assert "| fmnist-2cc-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 39.06 | 3.0 |" in body
     assert body.index("| fmnist-0.5-s0 | none |") < body.index("| fmnist-0.5-s0 | lr |")  # in the order first met
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):

@@ -1040,7 +1040,8 @@ def change_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             groups.setdefault((r["cell"].split(",")[0], r["change"]), []).append(r)
     out = []
     for (cell, change), runs in groups.items():
-        dataset, setting = cell.split("-")[:2]
+        dataset, tag = cell.split("-")[:2]
+        setting = "2c/c" if tag == "2cc" else tag  # cell names drop the slash (cell_config's tag)
         paper = PAPER[dataset]["fedhydra"][SETTINGS.index(setting)]
         out.append({"cell": cell, "change": change, "runs": len(runs), "paper": paper,
                     "collapsed": sum(r["collapsed"] > 0 for r in runs), "epochs": min(r["epochs"] for r in runs),
@@ -1059,9 +1060,9 @@ def change_table(rows: list[dict[str, Any]]) -> list[str]:
     if not table:
         return []
     lines = ["", "### Our variant per change (the runs that name one in runs.json)", "",
-             "Ours on the same uploads with one setting changed from T_G = 30, lr 0.01, beta 1 and temperature 1 "
-             "(\"none\": the settings of the runs named \"as configured\" above, before temperature 20 became "
-             "ours at budget `paper`), GPU runs; a run counts as collapsed if any epoch was at chance after it "
+             "Ours on the same uploads with the settings named changed from T_G = 30, lr 0.01, beta 1 and temperature "
+             "1 (\"none\": the settings of the runs named \"as configured\" above, before temperature 20 became "
+             "ours at budget `paper`), GPU runs unless the cell or run says CPU; a run counts as collapsed if any epoch was at chance after it "
              "had learned. \"paper\" = the paper's FedHydra for the cell's dataset and alpha.", "",
              "| cell | change | runs | fewest epochs | collapsed runs | best % mean (range) | final % mean (range) "
              "| paper | epochs above the paper, mean |", "|---|---|---|---|---|---|---|---|---|"]
