@@ -26,19 +26,50 @@
 #   print(merge_methods(Path('docs/results/fedhydra-runs/<cell>.json'),
 #         json.load(open('/tmp/t/device-work/trials/out/<name>.summary.json')), ['<method>']))"
 #
-# Environment: TRIALS, CONFIG, METHOD (required), CACHE (default cache), DL (seconds from start when
-# running trials are stopped; default 300), DEV (default cuda), THREADS (torch CPU threads per
-# process; default 2), OUT (default ./device-out), PY (default python3), WORK (default
-# device-work/trials).
+# Environment: TRIALS, METHOD (required), CONFIG (required unless CELL), CACHE (default cache), DL
+# (seconds from start when running trials are stopped; default 300), DEV (default cuda), THREADS
+# (torch CPU threads per process; default 2), OUT (default ./device-out), PY (default python3), WORK
+# (default device-work/trials), CELL (dataset:setting:seed, with PAPER and BUDGET: instead of CONFIG,
+# the reproduction's own config of that cell, `cell_config(...)` of hetfl.reproduce.<PAPER> written to
+# $WORK/cell.json; `--set` cannot remove keys, so this is how a 2c/c cell is tried), UPLOADS (a folder
+# of archived upload caches, one subfolder per cell name, e.g. docs/results/fedhydra-runs/uploads:
+# the config's cell found there is imported into CACHE first, re-keyed for DEV with `hetfl cache
+# import`, so the trials distil from the archived cell's byte-identical uploads).
+#
+#   CELL=mnist:2c/c:0 PAPER=fedhydra BUDGET=paper METHOD=fedhydra_dense_log1p CACHE=cache/m2cc \
+#     UPLOADS=docs/results/fedhydra-runs/uploads TRIALS="cfg: lr5:methods.fedhydra_dense_log1p.lr=0.005" \
+#     DL=540 bash scripts/device-trials.sh
 set -u
 T0=$(date +%s)
 TRIALS=${TRIALS:?"TRIALS='name:KEY=VALUE,KEY=VALUE ...' is required"}
-CONFIG=${CONFIG:?"CONFIG (the config file every trial runs) is required"}
+[ -n "${CELL:-}" ] || CONFIG=${CONFIG:?"CONFIG (the config file every trial runs) or CELL is required"}
 METHOD=${METHOD:?"METHOD (the config's method the trials run) is required"}
 CACHE=${CACHE:-cache}; DL=${DL:-300}; DEV=${DEV:-cuda}; OUT=${OUT:-$PWD/device-out}; PY=${PY:-python3}
 work=${WORK:-device-work/trials}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2} MPLBACKEND=Agg
 mkdir -p "$work/logs" "$work/out" "$OUT"
+hetfl() { $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" "$@"; }
+
+if [ -n "${CELL:-}" ]; then
+  PAPER=${PAPER:?"PAPER (fedhydra or fedmho) is required with CELL"}
+  IFS=: read -r cell_dataset cell_setting cell_seed <<< "$CELL"
+  CONFIG=$work/cell.json
+  $PY -c "import json, sys; from hetfl.reproduce.$PAPER import cell_config
+cfg = cell_config(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], methods=(sys.argv[5],))
+json.dump(cfg, open(sys.argv[6], 'w'), indent=1)" "$cell_dataset" "$cell_setting" "$cell_seed" \
+    "${BUDGET:?"BUDGET is required with CELL"}" "$METHOD" "$CONFIG" 2>> "$work/logs/setup.log" \
+    || { echo "CELL=$CELL (PAPER=$PAPER): no config, see $work/logs/setup.log" >&2; exit 1; }
+fi
+if [ -n "${UPLOADS:-}" ]; then
+  name=$($PY -c "import sys; from hetfl.config import load_config
+print(load_config(sys.argv[1])['name'])" "$CONFIG" 2>> "$work/logs/setup.log")
+  if [ -n "$name" ] && [ -d "$UPLOADS/$name" ]; then
+    hetfl cache import --device "$DEV" --cache-dir "$CACHE" "$UPLOADS/$name" >> "$work/logs/setup.log" 2>&1
+  else
+    echo "no archived uploads for ${name:-this config} in $UPLOADS: the trials train their clients" \
+      >> "$work/logs/setup.log"
+  fi
+fi
 
 trial() { # name overrides
   local log=$work/logs/$1.log l sets=()
@@ -48,7 +79,7 @@ trial() { # name overrides
   l=$(( DL - ($(date +%s) - T0) ))
   if [ "$l" -le 10 ]; then echo "skip $1: deadline" >> "$log"; return 0; fi
   echo "trial $1 (${2:-as configured}) start at $(( $(date +%s) - T0 ))s" >> "$log"
-  timeout -k 5 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" run "$CONFIG" \
+  timeout -k 30 "$l" $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" run "$CONFIG" \
     --device "$DEV" --cache-dir "$CACHE" --methods "$METHOD" "${sets[@]}" --out "$work/runs/$1" --quiet \
     >> "$log" 2>&1
   echo "trial $1 rc=$? at $(( $(date +%s) - T0 ))s" >> "$log"

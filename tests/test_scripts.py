@@ -86,6 +86,28 @@ def test_trials_script_skips_trials_past_the_deadline(tmp_path):
     assert "skip a: deadline" in done.stdout and "skip b: deadline" in done.stdout
 
 
+def test_trials_script_writes_a_cells_config_and_imports_its_archived_uploads(tmp_path):
+    """CELL: the trials run the reproduction's own config of a 2c/c cell (which `--set` could not make
+    from a Dirichlet config), on the archived cell's uploads re-keyed for DEV."""
+    import json
+
+    archived = Path(__file__).resolve().parents[1] / "docs" / "results" / "fedhydra-runs" / "uploads"
+    env = {**os.environ, "TRIALS": "cfg: lr5:methods.fedhydra_dense_log1p.lr=0.005", "CELL": "fmnist:2c/c:0",
+           "PAPER": "fedhydra", "BUDGET": "paper", "METHOD": "fedhydra_dense_log1p", "CACHE": "cache/c",
+           "UPLOADS": str(archived), "DL": "1", "DEV": "cpu", "PY": sys.executable, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "skip cfg: deadline" in done.stdout and "skip lr5: deadline" in done.stdout  # DL=1: set-up only
+    cfg = json.loads((tmp_path / "device-work" / "trials" / "cell.json").read_text())
+    assert cfg["name"] == "fedhydra-fmnist-2cc-s0-paper" and cfg["partition"] == {"kind": "2c/c"}
+    assert cfg["methods"]["fedhydra_dense_log1p"]["temperature"] == 20.0  # the budget's setting of ours
+    imported = sorted(p.name for p in (tmp_path / "cache" / "c").rglob("*.safetensors"))
+    assert len(imported) == 5 == len(list((archived / cfg["name"]).rglob("*.safetensors")))
+    bad = subprocess.run(["bash", str(TRIALS)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**env, "PAPER": "nope", "UPLOADS": ""})
+    assert bad.returncode == 1 and "CELL=fmnist:2c/c:0 (PAPER=nope): no config" in bad.stderr
+
+
 def test_device_script_merges_a_worker_that_finished_as_the_deadline_stopped_its_cell(tmp_path, tiny_config):
     from hetfl.config import validate
     from hetfl.reproduce.common import run_missing_methods

@@ -1062,8 +1062,9 @@ def change_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["", "### Our variant per change (the runs that name one in runs.json)", "",
              "Ours on the same uploads with the settings named changed from T_G = 30, lr 0.01, beta 1 and temperature "
              "1 (\"none\": the settings of the runs named \"as configured\" above, before temperature 20 became "
-             "ours at budget `paper`), GPU runs unless the cell or run says CPU; a run counts as collapsed if any epoch was at chance after it "
-             "had learned. \"paper\" = the paper's FedHydra for the cell's dataset and alpha.", "",
+             "ours at budget `paper`), GPU runs unless the cell or run says CPU; a run counts as collapsed if any "
+             "epoch was at chance after it had learned. \"paper\" = the paper's FedHydra for the cell's dataset and "
+             "setting.", "",
              "| cell | change | runs | fewest epochs | collapsed runs | best % mean (range) | final % mean (range) "
              "| paper | epochs above the paper, mean |", "|---|---|---|---|---|---|---|---|---|"]
     for c in table:
