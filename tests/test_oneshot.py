@@ -309,24 +309,34 @@ def test_feddf_bf16_tracks_fp32_and_hands_back_a_contiguous_student(tmp_path):
         Simulator(prepare(validate(cfg)), tmp_path / "bad", tmp_path / "cache", quiet=True).run()
 
 
+def stop_in_epoch_3(monkeypatch, stop) -> list[int]:
+    """Make the data-free loop call ``stop()`` as its first epoch 3 starts; returns the list of the
+    epochs synthesised (filled as the runs go)."""
+    from hetfl.fl.datafree import DataFreeDistiller
+
+    original = DataFreeDistiller.synthesize
+    calls: list[int] = []
+
+    def synthesize(self, epoch):
+        calls.append(epoch)
+        if epoch == 3 and calls.count(3) == 1:
+            stop()
+        return original(self, epoch)
+
+    monkeypatch.setattr(DataFreeDistiller, "synthesize", synthesize)
+    return calls
+
+
 def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch):
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedhydra": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
                                    "checkpoint_every": 1, "cosine": True}}
     full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
 
-    from hetfl.fl.datafree import DataFreeDistiller
+    def crash() -> None:
+        raise KeyboardInterrupt  # at once: epochs 1-2 are saved, epoch 3 is lost
 
-    original = DataFreeDistiller.synthesize
-    calls = []
-
-    def crash(self, epoch):
-        calls.append(epoch)
-        if epoch == 3 and calls.count(3) == 1:
-            raise KeyboardInterrupt
-        return original(self, epoch)
-
-    monkeypatch.setattr(DataFreeDistiller, "synthesize", crash)
+    calls = stop_in_epoch_3(monkeypatch, crash)
     with pytest.raises(KeyboardInterrupt):
         Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     with warnings.catch_warnings(record=True) as caught:
@@ -358,19 +368,7 @@ def test_a_stop_signal_in_mid_epoch_saves_that_epoch_and_the_resume_gives_the_sa
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"dense": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "checkpoint_every": 10}}
     full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
-
-    from hetfl.fl.datafree import DataFreeDistiller
-
-    original = DataFreeDistiller.synthesize
-    calls = []
-
-    def interrupted(self, epoch):
-        calls.append(epoch)
-        if epoch == 3 and calls.count(3) == 1:
-            signal.raise_signal(signal.SIGINT)  # held back until epoch 3 is done and saved
-        return original(self, epoch)
-
-    monkeypatch.setattr(DataFreeDistiller, "synthesize", interrupted)
+    calls = stop_in_epoch_3(monkeypatch, lambda: signal.raise_signal(signal.SIGINT))  # held back: epoch 3 ends
     with pytest.raises(KeyboardInterrupt):
         Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     assert "dense: stopping after this epoch, to save a checkpoint (SIGINT)" in capsys.readouterr().err
