@@ -12,8 +12,9 @@
 # "cache/gpu-paper"]`): a trial whose client requests hit it trains no client, so every trial distils
 # from the same uploads (`uploads_sha256` in each summary); with a cold cache every trial trains the
 # clients itself, side by side and not shared, so run one trial first to fill it. Trials still
-# running at the deadline are stopped; their per-epoch log is kept, since the simulator appends to it
-# at every evaluation. At the end each trial's METHOD log (metrics.jsonl), summary.json and final
+# running at the deadline are stopped (SIGTERM; a data-free server stage first finishes its epoch and
+# saves a checkpoint, SIGKILL after 30 s); their per-epoch log is kept, since the simulator appends to
+# it at every evaluation. At the end each trial's METHOD log (metrics.jsonl), summary.json and final
 # global model (when it finished) go to $OUT/trials.tgz as <name>.jsonl, <name>.summary.json and
 # <name>.safetensors (the server model: keep it small), with every trial's console log. To read them here:
 #
