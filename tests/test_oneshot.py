@@ -346,6 +346,11 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     assert calls == [1, 2, 3, 3, 4]  # epochs 1-2 were not redone
     r, f = resumed["results"]["fedhydra"], full["results"]["fedhydra"]
     assert r["resumed_from_epoch"] == 2
+    # the work before the stop counts in the stage's seconds: the reused stratification and epochs 1-2
+    strat = json.loads((tmp_path / "run" / "fedhydra" / "stratification.json").read_text())
+    assert r["stratification_seconds"] == strat["seconds"] > 0
+    assert r["seconds_before_resume"] > r["stratification_seconds"]
+    assert r["seconds"] >= r["server_seconds"] > r["seconds_before_resume"]
     assert r["accuracy"] == pytest.approx(f["accuracy"], abs=1e-6)
     assert r["best_accuracy"] == pytest.approx(f["best_accuracy"], abs=1e-6)
     rows = [json.loads(x) for x in (tmp_path / "run" / "fedhydra" / "metrics.jsonl").read_text().splitlines()]
@@ -377,6 +382,8 @@ def test_a_stop_signal_in_mid_epoch_saves_that_epoch_and_the_resume_gives_the_sa
     assert calls == [1, 2, 3, 4]  # epoch 3 was finished before the stop, and not redone
     r, f = resumed["results"]["dense"], full["results"]["dense"]
     assert r["resumed_from_epoch"] == 3
+    assert r["seconds"] > r["seconds_before_resume"] > 0  # epochs 1-3 count in the stage's seconds
+    assert "seconds_before_resume" not in f
     assert (r["accuracy"], r["best_accuracy"]) == pytest.approx((f["accuracy"], f["best_accuracy"]), abs=1e-6)
     a = load_file(str(tmp_path / "run" / "dense" / "dense.safetensors"))
     b = load_file(str(tmp_path / "full" / "dense" / "dense.safetensors"))

@@ -360,7 +360,7 @@ class Simulator:
                                    f"(min_clients = {need}); missing {missing}")
         start = time.perf_counter()
         models = method.server(uploads, ctx)
-        ctx.record["server_seconds"] = time.perf_counter() - start
+        ctx.record["server_seconds"] = time.perf_counter() - start + ctx.record.get("seconds_before_resume", 0.0)
         return models
 
     def _rounds(self, name: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
@@ -446,7 +446,7 @@ class Simulator:
             if not any(ctx.out_dir.glob("checkpoint*")):  # a checkpointing stage trims on resume itself
                 self._trim_metrics(name, -1)
             models = self._one_shot(method, ctx, ledger)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start + ctx.record.get("seconds_before_resume", 0.0)  # a resumed stage
         reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}
         head = next(iter(models))
         final = reports[head]

@@ -251,6 +251,8 @@ class DataFreeDistiller:
                          if cfg.cosine else None)
         self.history: list[float] = []
         self.timing = {"generation": 0.0, "distillation": 0.0, "evaluation": 0.0}
+        self.loop_seconds = 0.0  # wall seconds of the epochs run before this run (from a checkpoint)
+        self.began = time.perf_counter()  # when this run's epochs began
         self.last_batch: Batch | None = None
 
     # -- pieces ---------------------------------------------------------------------------------
@@ -368,7 +370,8 @@ class DataFreeDistiller:
         save_file(tensors, str(blob) + ".tmp", metadata={"epoch": str(epoch), "config": config_key})
         os.replace(str(blob) + ".tmp", blob)
         text = json.dumps({"epoch": epoch, "config": config_key, "history": self.history,
-                           "pool": len(self.pool), "timing": self.timing})
+                           "pool": len(self.pool), "timing": self.timing,
+                           "loop_seconds": self.loop_seconds + time.perf_counter() - self.began})
         Path(str(info) + ".tmp").write_text(text)
         os.replace(str(info) + ".tmp", info)
 
@@ -405,6 +408,8 @@ class DataFreeDistiller:
         self.history = info["history"]
         self.ctx.restore_history(self.history)  # best-over-epochs also covers the epochs before the checkpoint
         self.timing = info["timing"]
+        self.loop_seconds = float(info.get("loop_seconds", sum(self.timing.values())))  # older files: the stages' sum
+        self.ctx.add_prior_seconds(self.loop_seconds)
         return info["epoch"] + 1
 
     # -- the loop -------------------------------------------------------------------------------
@@ -439,6 +444,7 @@ class DataFreeDistiller:
             ctx.record["resumed_from_epoch"] = start - 1
         bar = ctx.progress(range(start, cfg.epochs + 1), desc=f"{self.name}: distillation", unit="epoch",
                            initial=start - 1, total=cfg.epochs)
+        self.began = time.perf_counter()
         # A stop (Ctrl-C, or the SIGINT a parallel parent sends at a deadline) lets the epoch under way
         # finish and saves it, instead of losing the epochs since the last periodic checkpoint.
         with stop_deferred(notice=f"{self.name}: stopping after this epoch, to save a checkpoint") as stop:

@@ -68,6 +68,11 @@ class ServerContext:
         torch.manual_seed(derive_seed(self.seed, purpose, arch))
         return build_model(arch, self.shape[0], self.shape[1], self.num_classes).to(self.device)
 
+    def add_prior_seconds(self, seconds: float) -> None:
+        """Count work a resumed stage did before its checkpoint (``seconds_before_resume``): the
+        simulator adds it to the method's ``seconds`` and ``server_seconds``."""
+        self.record["seconds_before_resume"] = self.record.get("seconds_before_resume", 0.0) + seconds
+
     def init_seed(self, arch: str) -> int:
         """The shared initial seed of every client of one architecture (as in DENSE's
         pre-training, all clients of an architecture start from the same weights)."""

@@ -283,6 +283,9 @@ class FedHydra(DataFreeMethod):
         saved = json.loads(path.read_text()) if ctx.resume and path.is_file() else {}
         if saved.get("key") == key and "L_min" in saved:
             U, L_min = (torch.tensor(saved[n], dtype=torch.float64) for n in ("U", "L_min"))
+            if "seconds" in saved:  # the stratification a resumed stage reuses counts in its seconds
+                ctx.record["stratification_seconds"] = saved["seconds"]
+                ctx.add_prior_seconds(saved["seconds"])
         else:
             start = time.perf_counter()
             L = stratify_losses(teachers, ctx.num_classes, ctx.shape, cfg.generator_steps,
@@ -295,7 +298,9 @@ class FedHydra(DataFreeMethod):
         U_r, _ = normalise_rows_and_columns(transformed if on in ("both", "rows") else used)  # Eq. 5
         _, U_c = normalise_rows_and_columns(transformed if on in ("both", "columns") else used)  # Eq. 7
         path.write_text(json.dumps({"U": U.tolist(), "U_r": U_r.tolist(), "U_c": U_c.tolist(),
-                                    "L_min": L_min.tolist(), "key": key}))
+                                    "L_min": L_min.tolist(), "key": key,
+                                    **({"seconds": ctx.record["stratification_seconds"]}
+                                       if "stratification_seconds" in ctx.record else {})}))
         plot_weights(U_c, ctx.out_dir / "U_c.png")
         scale = ctx.num_classes if self.params["column_scale"] == "mean" else 1  # columns average 1
         return FedHydraRecipe(U_r.float().to(ctx.device), scale * U_c.float().to(ctx.device),
