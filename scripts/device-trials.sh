@@ -49,7 +49,6 @@ CACHE=${CACHE:-cache}; DL=${DL:-300}; DEV=${DEV:-cuda}; OUT=${OUT:-$PWD/device-o
 work=${WORK:-device-work/trials}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2} MPLBACKEND=Agg
 mkdir -p "$work/logs" "$work/out" "$OUT"
-hetfl() { $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" "$@"; }
 
 if [ -n "${CELL:-}" ]; then
   PAPER=${PAPER:?"PAPER (fedhydra or fedmho) is required with CELL"}
@@ -65,7 +64,8 @@ if [ -n "${UPLOADS:-}" ]; then
   name=$($PY -c "import sys; from hetfl.config import load_config
 print(load_config(sys.argv[1])['name'])" "$CONFIG" 2>> "$work/logs/setup.log")
   if [ -n "$name" ] && [ -d "$UPLOADS/$name" ]; then
-    hetfl cache import --device "$DEV" --cache-dir "$CACHE" "$UPLOADS/$name" >> "$work/logs/setup.log" 2>&1
+    $PY -c "import sys; from hetfl.cli import main; sys.exit(main())" cache import --device "$DEV" \
+      --cache-dir "$CACHE" "$UPLOADS/$name" >> "$work/logs/setup.log" 2>&1
   else
     echo "no archived uploads for ${name:-this config} in $UPLOADS: the trials train their clients" \
       >> "$work/logs/setup.log"
