@@ -674,6 +674,10 @@ def test_feddf_resumes_an_interrupted_distillation_to_the_same_students(tmp_path
         assert r["resumed_from_step"] == {"cnn2": 20, "lenet5": 10 if how == "raise" else 7}
         assert r["accuracy"] == f["accuracy"] and r["best_accuracy"] == f["best_accuracy"]
         assert r["models"] == f["models"]
+        # the stopped run's teacher pass and steps count in the stage's seconds
+        assert r["seconds"] >= r["server_seconds"] > r["seconds_before_resume"] > 0
+        assert r["distill_seconds"] + r["teacher_seconds"] >= r["seconds_before_resume"] - 0.2  # rounding
+        assert "seconds_before_resume" not in f
         for student in ("feddf", "feddf_lenet5"):
             a = load_file(str(tmp_path / name / "feddf" / f"{student}.safetensors"))
             b = load_file(str(tmp_path / "full" / "feddf" / f"{student}.safetensors"))

@@ -70,7 +70,10 @@ class ServerContext:
 
     def add_prior_seconds(self, seconds: float) -> None:
         """Count work a resumed stage did before its checkpoint (``seconds_before_resume``): the
-        simulator adds it to the method's ``seconds`` and ``server_seconds``."""
+        simulator adds it to the method's ``seconds`` and ``server_seconds``. Nothing to add (0: a
+        fresh start, or a file written before its seconds were kept) leaves the record as it is."""
+        if seconds <= 0:
+            return
         self.record["seconds_before_resume"] = self.record.get("seconds_before_resume", 0.0) + seconds
 
     def init_seed(self, arch: str) -> int:

@@ -34,7 +34,9 @@ schedule's step, the batch generator's state and the evaluations so far) every
 ``CHECKPOINT_EVERY_S`` seconds, at its last step, and on SIGINT or SIGTERM after the step under way,
 in the method's folder (safetensors, no pickle). The same run again goes on from there (a device
 call stopped by its deadline loses at most a step); the files go once the method is done. A resumed
-distillation ends where an uninterrupted one does, to the bit on the same device and thread count.
+distillation ends where an uninterrupted one does, to the bit on the same device and thread count. The
+files keep the wall seconds spent on them, so a resumed run's ``seconds``, ``server_seconds``,
+``teacher_seconds`` and ``distill_seconds`` count the earlier runs' work too (``seconds_before_resume``).
 
 ``precision: bf16`` (ours, default fp32 as every archived run): bf16 autocast for the teachers' pass
 and the students' training forwards, with the students in channels_last too, for CPUs with native
@@ -148,8 +150,10 @@ class FedDF(OneShotMethod):
         key = json.dumps({"params": p, "seed": ctx.seed, "server": ctx.server_arch, "aux": aux_name,
                           "clients": [uploads[c].meta.get("client_id") for c in sorted(uploads)]}, sort_keys=True)
         start = time.perf_counter()
-        teacher_logits = self._teacher_logits(models, aux, aux_name, key, ctx)
-        ctx.record["teacher_seconds"] = round(time.perf_counter() - start, 1)
+        teacher_logits, teacher_prior = self._teacher_logits(models, aux, aux_name, key, ctx)
+        teacher_now = time.perf_counter() - start
+        ctx.record["teacher_seconds"] = round(teacher_now + teacher_prior, 1)
+        distill_prior = 0.0  # seconds the students' distillations ran before this run (resumed)
         groups = group_by_arch(uploads)
         archs = [ctx.server_arch] + ([a for a in groups if a != ctx.server_arch] if p["prototypes"] == "all" else [])
         students: dict[str, nn.Module] = {}
@@ -162,14 +166,14 @@ class FedDF(OneShotMethod):
             ctx.record["init" if arch == ctx.server_arch else f"init[{arch}]"] = init
             head = arch == ctx.server_arch  # the headline keeps the batch seed of single-student runs
             seed = derive_seed(ctx.seed, "feddf-batches", *(() if head else (arch,)))
-            self._distil(student, aux, teacher_logits, ctx, track=head, seed=seed,
-                         desc="feddf: distillation" + ("" if head else f" [{arch}]"),
-                         checkpoint=self._checkpoint_path(ctx, arch), key=f"{key} {arch}")
+            distill_prior += self._distil(student, aux, teacher_logits, ctx, track=head, seed=seed,
+                                          desc="feddf: distillation" + ("" if head else f" [{arch}]"),
+                                          checkpoint=self._checkpoint_path(ctx, arch), key=f"{key} {arch}")
             students[arch] = student
         for path in [self._checkpoint_path(ctx, a) for a in archs] + [ctx.out_dir / "teacher-logits.safetensors"]:
             path.unlink(missing_ok=True)  # done: the engine stores the result
         ctx.record["aux_dataset"] = aux_name
-        ctx.record["distill_seconds"] = round(time.perf_counter() - start - ctx.record["teacher_seconds"], 1)
+        ctx.record["distill_seconds"] = round(time.perf_counter() - start - teacher_now + distill_prior, 1)
         out: dict[str, nn.Module] = {"feddf": students[ctx.server_arch]}
         if len(students) > 1:
             out.update({f"feddf[{arch}]": m for arch, m in students.items() if arch != ctx.server_arch})
@@ -181,13 +185,17 @@ class FedDF(OneShotMethod):
         return ctx.out_dir / f"checkpoint-{arch}.safetensors"
 
     def _teacher_logits(self, models: dict[int, nn.Module], aux: ImageDataset, aux_name: str, key: str,
-                        ctx: ServerContext) -> torch.Tensor:
+                        ctx: ServerContext) -> tuple[torch.Tensor, float]:
         """The average teacher logits on the auxiliary set: one pass of every teacher (long with VGG-9s),
-        or the logits kept by an interrupted run of the same configuration."""
+        or the logits kept by an interrupted run of the same configuration; and the seconds that earlier
+        run's pass took (0 for a pass run now), counted as work before the resume."""
         path = ctx.out_dir / "teacher-logits.safetensors"
         saved = load_matching(path, key) if ctx.resume else None
         if saved is not None and saved.tensors.get("logits") is not None and len(saved.tensors["logits"]) == len(aux):
-            return saved.tensors["logits"].to(ctx.device)
+            seconds = float(saved.meta.get("seconds", 0.0))  # files written before it was kept: unknown, 0
+            ctx.add_prior_seconds(seconds)
+            return saved.tensors["logits"].to(ctx.device), seconds
+        start = time.perf_counter()
         teachers = [prepare(m, ctx.device, channels_last=True) for m in models.values()]  # NHWC: faster convs
         with autocast(ctx.device, self.params["precision"]):
             logits = predict_logits(
@@ -195,14 +203,15 @@ class FedDF(OneShotMethod):
                 progress=lambda starts: ctx.progress(starts, desc=f"feddf: teacher logits on {len(aux)} {aux_name} "
                                                      "images", unit="batch"))
         ctx.out_dir.mkdir(parents=True, exist_ok=True)
-        Payload({"logits": logits}, {"key": key}).write(path)
-        return logits
+        Payload({"logits": logits}, {"key": key, "seconds": time.perf_counter() - start}).write(path)
+        return logits, 0.0
 
     def _distil(self, student: nn.Module, aux: ImageDataset, teacher_logits: torch.Tensor, ctx: ServerContext,
-                track: bool, seed: int, desc: str, checkpoint: Path, key: str) -> None:
+                track: bool, seed: int, desc: str, checkpoint: Path, key: str) -> float:
         """``steps`` Adam steps (cosine decay) of KL to the teacher logits on random auxiliary batches;
         evaluated every ``eval_every`` steps (only the headline student counts towards best accuracy).
-        Resumes from, and saves to, ``checkpoint`` (module docstring)."""
+        Resumes from, and saves to, ``checkpoint`` (module docstring). Returns the wall seconds this
+        distillation ran before its checkpoint (0 without one), which it counts as work before the resume."""
         p = self.params
         bf16 = p["precision"] == "bf16"
         if bf16:  # NHWC: oneDNN's fast bf16 convolutions; handed back contiguous below
@@ -210,7 +219,9 @@ class FedDF(OneShotMethod):
         opt = torch.optim.Adam(student.parameters(), lr=p["lr"])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p["steps"])
         g = torch.Generator().manual_seed(seed)
-        done, history = self._resume(checkpoint, key, student, opt, schedule, g, ctx)
+        done, history, prior = self._resume(checkpoint, key, student, opt, schedule, g, ctx)
+        ctx.add_prior_seconds(prior)
+        began = time.perf_counter()
         if done:  # per student: {architecture: steps done before this run}
             ctx.record.setdefault("resumed_from_step", {})[checkpoint.stem.removeprefix("checkpoint-")] = done
         if track:
@@ -236,29 +247,31 @@ class FedDF(OneShotMethod):
                     ctx.log(step, accuracy=acc, kd_loss=float(loss.detach()))
                     bar.set_postfix(acc=f"{acc:.2f}")
                 if (got := stop()) or step == p["steps"] or time.monotonic() - saved_at >= CHECKPOINT_EVERY_S:
-                    self._save(checkpoint, key, student, opt, g, step, history)
+                    self._save(checkpoint, key, student, opt, g, step, history, prior + time.perf_counter() - began)
                     saved_at = time.monotonic()
                     if got:
                         raise KeyboardInterrupt  # leaves the block, which delivers the signal
         if bf16:  # hand the student back contiguous (as the uploads were built)
             student.to(memory_format=torch.contiguous_format)
+        return prior
 
     @staticmethod
     def _save(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator,
-              step: int, history: list[float]) -> None:
+              step: int, history: list[float], seconds: float) -> None:
         tensors = {f"student.{k}": v for k, v in student.state_dict().items()}
         tensors |= optimizer_tensors(opt, "adam.") | {"rng.batches": g.get_state()}
-        Payload(tensors, {"key": key, "step": step, "history": history}).write(path)
+        Payload(tensors, {"key": key, "step": step, "history": history, "seconds": seconds}).write(path)
 
     @staticmethod
     def _resume(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer,
                 schedule: torch.optim.lr_scheduler.LRScheduler, g: torch.Generator,
-                ctx: ServerContext) -> tuple[int, list[float]]:
+                ctx: ServerContext) -> tuple[int, list[float], float]:
         """Restore a saved distillation into the student, optimiser, schedule and batch generator;
-        returns the steps done and the evaluations so far ((0, []) with nothing to resume)."""
+        returns the steps done, the evaluations so far and the wall seconds spent on them ((0, [], 0.0)
+        with nothing to resume; checkpoints written before the seconds were kept give 0.0)."""
         saved = load_matching(path, key) if ctx.resume else None
         if saved is None:
-            return 0, []
+            return 0, [], 0.0
         t = saved.tensors
         student.load_state_dict({k[len("student."):]: v for k, v in t.items() if k.startswith("student.")})
         load_optimizer_tensors(opt, t, "adam.")
@@ -268,4 +281,4 @@ class FedDF(OneShotMethod):
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             for _ in range(step):
                 schedule.step()
-        return step, list(saved.meta["history"])
+        return step, list(saved.meta["history"]), float(saved.meta.get("seconds", 0.0))
