@@ -552,7 +552,8 @@ def _distiller(tmp_path, **cfg):
                         server_arch="cnn2", train_cfg=TrainConfig(), device=CPU, out_dir=tmp_path,
                         evaluate=lambda model: {"accuracy": 0.0}, log=lambda *a, **k: None,
                         progress=lambda it, **k: it, pooled_train_data=lambda: None)
-    config = DataFreeConfig(epochs=1, generator_steps=1, batch_size=8, lr=0.5, momentum=0.0, **cfg)
+    config = DataFreeConfig(**{"epochs": 1, "generator_steps": 1, "batch_size": 8, "lr": 0.5, "momentum": 0.0,
+                               **cfg})
     return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), config, ctx, "dense")
 
 
@@ -575,6 +576,29 @@ def test_kd_step_reports_its_peak_gradient_norm_and_grad_clip_bounds_the_step(tm
     assert steps[0.0][1] == pytest.approx(steps[1e-3][1], rel=1e-5)  # same start, same batch, same norm
     assert steps[0.0][0] == pytest.approx(0.5 * steps[0.0][1], rel=1e-4)  # plain SGD: lr x |g|
     assert steps[1e-3][0] == pytest.approx(0.5 * 1e-3, rel=1e-3)  # clipped to lr x grad_clip
+
+
+def test_synthesis_skips_the_students_weight_gradients_and_gives_the_same_batches(tmp_path, monkeypatch):
+    """The generator's steps backpropagate through the student (adversarial term) for the gradient
+    of x only: the student gets no weight gradient there, stays trainable afterwards, and the kept
+    batches equal those of a loop that computed the weight gradients too, to the bit."""
+    import contextlib
+
+    from hetfl.fl import datafree
+
+    runs = {}
+    for how in ("frozen", "unfrozen"):
+        if how == "unfrozen":
+            monkeypatch.setattr(datafree, "weights_frozen", lambda model: contextlib.nullcontext())
+        engine = _distiller(tmp_path / how, generator_steps=3, lambda_adv=1.0)
+        batches = engine.synthesize(1)
+        grads = [p.grad for p in engine.student.parameters()]
+        assert all(p.requires_grad for p in engine.student.parameters())
+        runs[how] = (batches, grads)
+    assert all(g is None for g in runs["frozen"][1])
+    assert any(g is not None for g in runs["unfrozen"][1])  # the old loop did compute them
+    for (x1, y1, l1), (x2, y2, l2) in zip(runs["frozen"][0], runs["unfrozen"][0], strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2) and torch.equal(l1, l2)
 
 
 def test_kd_loss_new_is_the_loss_of_the_fresh_batches_before_their_step(tmp_path):

@@ -57,6 +57,7 @@ from hetfl.fl.training import (
     momentum_tensors,
     optimizer_tensors,
     stop_deferred,
+    weights_frozen,
 )
 from hetfl.models.generator import Generator
 
@@ -284,17 +285,20 @@ class DataFreeDistiller:
         self.generator.train()
         self.student.eval()
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (x, client logits, loss)
-        for _ in range(cfg.generator_steps):
-            with autocast(dev, cfg.precision):
-                x = self.generator(z)
-                logits = self.teacher_logits(x)
-                P = self.recipe.aggregate(logits, y)
-                s = self.student(x).float()
-            loss = self.recipe.generator_loss(P, s, y, self.bn.per_model(), cfg)
-            self.gen_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.gen_opt.step()
-            kept.append((x.detach(), logits.detach(), loss.detach()))  # no host-device sync per step
+        # The generator's loss reaches G through the student too (adversarial term): the student's own
+        # weight gradients are not needed, so its backward computes only the gradient of x.
+        with weights_frozen(self.student):
+            for _ in range(cfg.generator_steps):
+                with autocast(dev, cfg.precision):
+                    x = self.generator(z)
+                    logits = self.teacher_logits(x)
+                    P = self.recipe.aggregate(logits, y)
+                    s = self.student(x).float()
+                loss = self.recipe.generator_loss(P, s, y, self.bn.per_model(), cfg)
+                self.gen_opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.gen_opt.step()
+                kept.append((x.detach(), logits.detach(), loss.detach()))  # no host-device sync per step
         if self.recipe.keep == "best":
             kept = [kept[int(torch.stack([item[2] for item in kept]).argmin())]]
         # Images are kept as uint8 (as DENSE's PNG pool); the client logits are the ones computed in

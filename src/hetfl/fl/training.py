@@ -275,6 +275,21 @@ class TrainCheckpoint:
         self.path.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def weights_frozen(model: nn.Module) -> Iterator[None]:
+    """Inside the block, ``model``'s trainable parameters do not require gradients, so a backward
+    pass through it computes the gradient of its input only (the weight gradients of its layers are
+    skipped; the input gradient is the same to the bit). They require gradients again on the way out."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
