@@ -1074,7 +1074,9 @@ def change_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
-    """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell (two per row), one line per run."""
+    """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell (two per row), one line per
+    run. Each panel's legend sits under it, and a row of panels is as much taller as its longest legend
+    needs, so that no legend hides a curve however many runs a cell has."""
     import matplotlib.pyplot as plt
 
     from hetfl.report import save_figure
@@ -1082,17 +1084,20 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     cells = list(dict.fromkeys(r["cell"] for r in rows))  # in the order runs.json lists them
     ncols = min(2, len(cells))
     nrows = -(-len(cells) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.2 * nrows), squeeze=False)
+    runs = {cell: [r for r in rows if r["cell"] == cell] for cell in cells}
+    heights = [3.6 + 0.12 * max(len(runs[c]) for c in cells[i * ncols:(i + 1) * ncols]) for i in range(nrows)]
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
     for ax, cell in zip(axes.flat, cells):
-        for r in (r for r in rows if r["cell"] == cell):
+        for r in runs[cell]:
             steps, accs = zip(*r["curve"])
             ax.plot(steps, accs, lw=1, label=f"{LABELS.get(r['method'], r['method'])}, {r['run']}")
         ax.set_title(f"{cell} (clients of budget paper)", fontsize=9)
         ax.set_xlabel("server epoch")
         ax.set_ylabel("test accuracy %")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.16), frameon=False)
         ax.grid(alpha=0.3)
     return save_figure(fig, out)
 
