@@ -1394,6 +1394,7 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     assert (row["epochs"], row["best"], row["best_epoch"], row["final"]) == (8, 70.0, 3, 9.9)
     assert (row["collapsed"], row["first_collapse"], row["grad_max"]) == (3, 4, 8.0)
     assert (row["dead_max"], row["first_dead"], row["new_max"]) == (None, None, None)  # an older log
+    assert row["tail"] == pytest.approx((39.95, 42.4971), abs=1e-3)  # the last quarter: epochs 7-8 (70, 9.9)
     (folder / "n.jsonl").write_text("\n".join(
         json.dumps({"method": "dense", "step": i, "kd_grad_max": 1.0, "kd_loss_new": new, "dead_units": dead,
                     "accuracy": 50.0}) for i, (new, dead) in enumerate([(3.0, 0.0), (50.0, 0.0), (4.0, 0.5)], 1)))
@@ -1401,8 +1402,9 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         {"cell": "fmnist-0.5-s0", "method": "dense", "run": "call 1", "file": "a.jsonl"},
         {"cell": "fmnist-0.5-s0", "method": "dense", "run": "new", "file": "n.jsonl"}]}))
     body = curve_runs_report(folder, tmp_path / "r.md")
-    assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 3 (from 4) | 8.0 | - | - |" in body
-    assert "| fmnist-0.5-s0 | DENSE | new | 3 | 50.00 (1) | 50.00 | 0 | 1.0 | 0.50 (3) | 50.0 |" in body
+    assert "| fmnist-0.5-s0 | DENSE | call 1 | 8 | 70.00 (3) | 9.90 | 39.95 (42.50) | 3 (from 4) | 8.0 | - | - |" in (
+        body)
+    assert "| fmnist-0.5-s0 | DENSE | new | 3 | 50.00 (1) | 50.00 | 50.00 (0.00) | 0 | 1.0 | 0.50 (3) | 50.0 |" in body
     assert (tmp_path / "r-paper-server-curves.png").is_file()
     assert "### Our variant per change" not in body  # no run names a change
     (folder / "runs.json").write_text(json.dumps({"about": "test", "runs": [
@@ -1412,17 +1414,28 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         {"cell": "mnist-0.01-s0", "method": "dense", "run": "m", "file": "n.jsonl", "change": "lr"},
         {"cell": "fmnist-2cc-s0, CPU", "method": "dense", "run": "c", "file": "n.jsonl", "change": "lr"}]}))
     body = curve_runs_report(folder, tmp_path / "r.md")
+    FIFTY = "50.00 (50.00-50.00) | " * 3  # best, final and last-quarter means of one run at 50 % throughout
     # fmnist alpha 0.5: paper 77.20; the two "none" runs share a cell before the comma
-    assert "| fmnist-0.5-s0 | none | 2 | 8 | 2 of 2 | 70.00 (70.00-70.00) | 9.90 (9.90-9.90) | 77.20 | 0.0 |" in body
-    assert "| fmnist-0.5-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 77.20 | 0.0 |" in body
+    assert ("| fmnist-0.5-s0 | none | 2 | 8 | 2 of 2 | 70.00 (70.00-70.00) | 9.90 (9.90-9.90) | 39.95 (39.95-39.95) "
+            "| 77.20 | 0.0 |") in body
+    assert f"| fmnist-0.5-s0 | lr | 1 | 3 | 0 of 1 | {FIFTY}77.20 | 0.0 |" in body
     # mnist alpha 0.01: paper 38.83, so all three epochs at 50 % are above it
-    assert "| mnist-0.01-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 38.83 | 3.0 |" in body
+    assert f"| mnist-0.01-s0 | lr | 1 | 3 | 0 of 1 | {FIFTY}38.83 | 3.0 |" in body
     # a 2c/c cell (named 2cc): the paper's Fashion-MNIST 2c/c, 39.06
-    assert "| fmnist-2cc-s0 | lr | 1 | 3 | 0 of 1 | 50.00 (50.00-50.00) | 50.00 (50.00-50.00) | 39.06 | 3.0 |" in body
+    assert f"| fmnist-2cc-s0 | lr | 1 | 3 | 0 of 1 | {FIFTY}39.06 | 3.0 |" in body
     assert body.index("| fmnist-0.5-s0 | none |") < body.index("| fmnist-0.5-s0 | lr |")  # in the order first met
     (folder / "b.jsonl").write_text(json.dumps({"method": "dense", "step": 1, "kd_loss": 1.0}) + "\n")
     with pytest.raises(ValueError, match="b.jsonl: no evaluated epoch of dense"):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])
+
+
+def test_tail_stats_takes_the_last_quarter():
+    from hetfl.reproduce.fedhydra import tail_stats
+
+    assert tail_stats([1.0] * 150 + [10.0, 20.0] * 25) == pytest.approx((15.0, 5.0508), abs=1e-4)  # last 50 of 200
+    assert tail_stats([7.0, 3.0]) == (3.0, 0.0)  # fewer than 4 epochs: the last one, sd 0
+    with pytest.raises(ValueError, match="at least one accuracy"):
+        tail_stats([])
 
 
 def test_same_uploads_compares_digests_method_by_method():

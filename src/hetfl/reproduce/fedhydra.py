@@ -964,8 +964,9 @@ def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, A
     had first learned (:func:`hetfl.report.collapse_bounds` of :data:`CURVE_CLASSES`: at or below
     10.5 % after passing 30 %) and the first of them, the largest student gradient norm of a KD
     step (``kd_grad_max``), the largest share of dead ReLU channels and the first epoch with any
-    (``dead_units``), and the largest KD loss of an epoch's fresh batches (``kd_loss_new``); each
-    None where the log lacks it."""
+    (``dead_units``), the largest KD loss of an epoch's fresh batches (``kd_loss_new``), each
+    None where the log lacks it, and the mean and sample sd of the last quarter of the evaluated
+    epochs (:func:`tail_stats`: how well a run holds what it learned, beside its final epoch)."""
     from hetfl.report import collapse_bounds
 
     at_chance, learned = collapse_bounds(CURVE_CLASSES)
@@ -984,8 +985,18 @@ def curve_run_rows(folder: Path, runs: list[dict[str, Any]]) -> list[dict[str, A
         rows.append({**run, "epochs": curve[-1][0], "best": best, "best_epoch": best_epoch, "final": curve[-1][1],
                      "collapsed": len(collapsed), "first_collapse": collapsed[0] if collapsed else None,
                      "grad_max": _largest(logged, "kd_grad_max"), "dead_max": _largest(logged, "dead_units"),
-                     "first_dead": first_dead, "new_max": _largest(logged, "kd_loss_new"), "curve": curve})
+                     "first_dead": first_dead, "new_max": _largest(logged, "kd_loss_new"), "curve": curve,
+                     "tail": tail_stats([acc for _, acc in curve])})
     return rows
+
+
+def tail_stats(accs: list[float]) -> tuple[float, float]:
+    """Mean and sample sd of the last quarter of ``accs`` (at least one value; sd 0 for one): for
+    200 epochs the last 50."""
+    if not accs:
+        raise ValueError("tail_stats needs at least one accuracy")
+    tail = accs[-max(1, len(accs) // 4):]
+    return statistics.fmean(tail), statistics.stdev(tail) if len(tail) > 1 else 0.0
 
 
 def _largest(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -1011,9 +1022,11 @@ def curve_runs_report(folder: Path, path: Path) -> str:
              "`dead units` = the largest share of the student's ReLU channels never positive on an epoch's last KD "
              "batch (with the first epoch above 0); `new-batch KD loss` = the largest KD loss of an epoch's fresh "
              "batches before their own step (both logged since the thirty-fifth session; - before).", "",
-             "| cell | method | run | epochs | best % (epoch) | final % | collapsed (first) | largest KD grad norm "
-             "| dead units (first) | largest new-batch KD loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "`last quarter` = the mean (sample sd) of the last quarter of the evaluated epochs (the last 50 of 200).",
+             "",
+             "| cell | method | run | epochs | best % (epoch) | final % | last quarter % | collapsed (first) "
+             "| largest KD grad norm | dead units (first) | largest new-batch KD loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = f" (from {r['first_collapse']})" if r["first_collapse"] is not None else ""
         grad = f"{r['grad_max']:.1f}" if r["grad_max"] is not None else "-"
@@ -1021,8 +1034,8 @@ def curve_runs_report(folder: Path, path: Path) -> str:
             f" ({r['first_dead']})" if r["first_dead"] is not None else "")
         new = f"{r['new_max']:.1f}" if r["new_max"] is not None else "-"
         lines.append(f"| {r['cell']} | {LABELS.get(r['method'], r['method'])} | {r['run']} | {r['epochs']} | "
-                     f"{r['best']:.2f} ({r['best_epoch']}) | {r['final']:.2f} | {r['collapsed']}{first} | {grad} "
-                     f"| {dead} | {new} |")
+                     f"{r['best']:.2f} ({r['best_epoch']}) | {r['final']:.2f} | "
+                     f"{r['tail'][0]:.2f} ({r['tail'][1]:.2f}) | {r['collapsed']}{first} | {grad} | {dead} | {new} |")
     lines += change_table(rows)
     figure = plot_curve_runs(rows, path.with_name(f"{path.stem}-{CURVE_RUNS}.png"))
     return "\n".join(lines) + f"\n\n![{figure.stem}]({figure.name})"
@@ -1032,8 +1045,8 @@ def change_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs of :func:`curve_run_rows` that name a ``change`` (runs.json), one row per (cell, change)
     in the order first met, the cell being the part of the run's ``cell`` before its first comma
     (``<dataset>-<alpha>-s<seed>``): how many runs, how many collapsed (any epoch at chance after
-    learning), the best and final accuracies, the fewest epochs run, the paper's FedHydra for that
-    dataset and alpha, and the mean number of epochs above it."""
+    learning), the best and final accuracies and the last quarter's means, the fewest epochs run, the
+    paper's FedHydra for that dataset and alpha, and the mean number of epochs above it."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("change"):
@@ -1046,6 +1059,7 @@ def change_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"cell": cell, "change": change, "runs": len(runs), "paper": paper,
                     "collapsed": sum(r["collapsed"] > 0 for r in runs), "epochs": min(r["epochs"] for r in runs),
                     "best": [r["best"] for r in runs], "final": [r["final"] for r in runs],
+                    "tail": [r["tail"][0] for r in runs],
                     "above": statistics.fmean(sum(acc > paper for _, acc in r["curve"]) for r in runs)})
     return out
 
@@ -1066,10 +1080,12 @@ def change_table(rows: list[dict[str, Any]]) -> list[str]:
              "epoch was at chance after it had learned. \"paper\" = the paper's FedHydra for the cell's dataset and "
              "setting.", "",
              "| cell | change | runs | fewest epochs | collapsed runs | best % mean (range) | final % mean (range) "
-             "| paper | epochs above the paper, mean |", "|---|---|---|---|---|---|---|---|---|"]
+             "| last quarter % mean (range) | paper | epochs above the paper, mean |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in table:
         lines.append(f"| {c['cell']} | {c['change']} | {c['runs']} | {c['epochs']} | {c['collapsed']} of {c['runs']} | "
-                     f"{_spread(c['best'])} | {_spread(c['final'])} | {c['paper']:.2f} | {c['above']:.1f} |")
+                     f"{_spread(c['best'])} | {_spread(c['final'])} | {_spread(c['tail'])} | {c['paper']:.2f} | "
+                     f"{c['above']:.1f} |")
     return lines
 
 
