@@ -1490,6 +1490,67 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
     assert json.loads(archived.read_text())["curves"] == {"ot": [[1, 61.5]], "dense": [[1, 40.0], [2, 63.3]]}
 
 
+def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
+    from hetfl.cli import main
+    from hetfl.reproduce.common import archive_run, cell_label
+
+    assert cell_label("fedhydra-mnist-2cc-s0-paper") == "mnist-2cc-s0"
+    with pytest.raises(ValueError, match="not a cell name"):
+        cell_label("mnist")
+    cfg = {"name": "fedhydra-mnist-2cc-s0-paper", "dataset": "mnist", "seed": 0, "clients": 5,
+           "partition": {"kind": "2c/c"}, "client": {"model": "cnn2"}, "server": {"model": "cnn2"},
+           "methods": {"fedavg": {}}}
+    result = {"accuracy": 27.0, "best_accuracy": 27.0, "uploads_sha256": "ab"}
+    archive = tmp_path / "fedhydra-runs"
+    (archive / "paper-server-curves").mkdir(parents=True)
+    cell_file = archive / "fedhydra-mnist-2cc-s0-paper.json"
+    cell_file.write_text(json.dumps({"config": cfg, "results": {"fedavg": result}}))
+    manifest = archive / "paper-server-curves" / "runs.json"
+    manifest.write_text(json.dumps({"about": "x", "runs": [{"cell": "mnist-2cc-s0, H200", "method": "dense",
+                                                            "run": "old", "file": "old.jsonl"}]}))
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = {"config": {**cfg, "methods": {"fedhydra": {"epochs": 2}}},
+               "results": {"fedhydra": {**result, "accuracy": 12.0}}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    logged = [{"method": "fedhydra", "step": 1, "accuracy": 10.0}, {"method": "other", "step": 1, "accuracy": 1.0},
+              {"method": "fedhydra", "step": 2, "accuracy": 12.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+
+    entry = archive_run(archive, run, "fedhydra", "a trial", change="lr 0.005")  # a trial: not merged
+    assert entry == {"cell": "mnist-2cc-s0, H200", "method": "fedhydra", "run": "a trial",
+                     "file": "mnist-2cc-s0-fedhydra-cpu.jsonl", "change": "lr 0.005"}
+    kept = (archive / "paper-server-curves" / entry["file"]).read_text().splitlines()
+    assert [json.loads(line) for line in kept] == [logged[0], logged[2]]  # only that method's lines
+    assert json.loads(manifest.read_text())["runs"][-1] == entry and len(json.loads(manifest.read_text())["runs"]) == 2
+    assert "fedhydra" not in json.loads(cell_file.read_text())["results"]
+    with pytest.raises(ValueError, match="exists; give another curve name"):
+        archive_run(archive, run, "fedhydra", "again")
+
+    assert main(["archive-run", "fedhydra", str(run), "--method", "fedhydra", "--label", "the budget's",
+                 "--merge", "--curve", "m.jsonl", "--results", str(tmp_path / "fedhydra.md")]) == 0
+    assert "merged into the archived cell" in capsys.readouterr().out
+    merged = json.loads(cell_file.read_text())
+    assert merged["results"]["fedhydra"]["accuracy"] == 12.0 and merged["config"]["methods"]["fedhydra"] == {"epochs": 2}
+    assert "change" not in json.loads(manifest.read_text())["runs"][-1]
+
+    before = (manifest.read_text(), cell_file.read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "results": {"fedhydra": {**result, "uploads_sha256": "cd"}}}))
+    with pytest.raises(ValueError, match="did not run on fedhydra-mnist-2cc-s0-paper.json's uploads"):
+        archive_run(archive, run, "fedhydra", "other uploads", curve="o.jsonl")
+    with pytest.raises(ValueError, match=r"dense not in .*results \['fedhydra'\]"):
+        archive_run(archive, run, "dense", "x", curve="o.jsonl")
+    (run / "summary.json").write_text(json.dumps({**summary, "config": {**summary["config"], "name": "fedhydra-x-s0-paper"}}))
+    with pytest.raises(ValueError, match="no archived cell named fedhydra-x-s0-paper"):
+        archive_run(archive, run, "fedhydra", "x", curve="o.jsonl")
+    (run / "summary.json").unlink()
+    assert main(["archive-run", "fedhydra", str(run), "--method", "fedhydra", "--label", "x",
+                 "--results", str(tmp_path / "fedhydra.md")]) == 2
+    assert "summary.json: missing" in capsys.readouterr().err
+    assert (manifest.read_text(), cell_file.read_text()) == before  # refused archives write nothing
+    assert not (archive / "paper-server-curves" / "o.jsonl").exists()
+
+
 def test_shipped_vgg9_trial_config_is_the_reproduce_cell():
     """configs/fedmho-fmnist-vgg9-e10.yaml must send the reproduce cell's requests (same upload cache):
     every key but the method subset equals ``cell_config``'s, and each of its methods has the cell's params."""

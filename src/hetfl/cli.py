@@ -232,6 +232,18 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_archive_run(args: argparse.Namespace) -> int:
+    from hetfl.reproduce.common import archive_folder, archive_run
+
+    results = Path(args.results or f"docs/results/{args.paper}.md")
+    entry = archive_run(archive_folder(results), Path(args.run), args.method, args.label, change=args.change,
+                        merge=args.merge, curve=args.curve)
+    merged = " and merged into the archived cell" if args.merge else ""
+    print(f"archived {args.method} of {args.run} as {entry['file']} ({entry['cell']}){merged}; rewrite the "
+          f"report with `hetfl reproduce {args.paper} --report-only --out <empty folder> --results {results}`")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import hetfl.methods  # noqa: F401
     from hetfl.fl.method import METHODS
@@ -355,6 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "each training a round-robin shard of the clients (a GPU is mostly idle under one)")
     rep.add_argument("--quiet", action="store_true")
     rep.set_defaults(func=cmd_reproduce)
+
+    arc = sub.add_parser("archive-run", help="keep a `hetfl run` made on an archived cell's uploads: its curve in "
+                         "<paper>-runs/paper-server-curves (runs.json) and, with --merge, its result in the cell")
+    arc.add_argument("paper", choices=["fedhydra", "fedmho"])
+    arc.add_argument("run", help="the run's output folder (summary.json, metrics.jsonl)")
+    arc.add_argument("--method", required=True, help="the method of that run to keep")
+    arc.add_argument("--label", required=True, help="what the run was, for the report (where, how, which session)")
+    arc.add_argument("--change", default=None, help="a trial of our variant: the setting it changes")
+    arc.add_argument("--merge", action="store_true", help="also merge the result into the archived cell "
+                     "(only a run at the cell's own config; refused otherwise)")
+    arc.add_argument("--curve", default=None, help="curve file name (default <cell>-<method>-cpu.jsonl)")
+    arc.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
+    arc.set_defaults(func=cmd_archive_run)
 
     lst = sub.add_parser("list", help="list methods, models, datasets and partition kinds")
     lst.set_defaults(func=cmd_list)

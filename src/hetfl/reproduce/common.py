@@ -176,6 +176,66 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     return methods
 
 
+CURVE_RUNS = "paper-server-curves"  # archive subfolder of runs measured apart from a cell (its runs.json lists them)
+
+
+def cell_label(name: str) -> str:
+    """A cell's short name in runs.json: its config name without the paper and the budget,
+    ``fedhydra-mnist-2cc-s0-paper`` -> ``mnist-2cc-s0``."""
+    parts = name.split("-")
+    if len(parts) < 3:
+        raise ValueError(f"{name!r} is not a cell name <paper>-<cell>-<budget>")
+    return "-".join(parts[1:-1])
+
+
+def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change: str | None = None,
+                merge: bool = False, curve: str | None = None) -> dict[str, str]:
+    """Keep one ``hetfl run`` of ``method`` (``run_dir``: its summary.json and metrics.jsonl) made on an
+    archived cell's uploads (``archive/<config name>.json``): with ``merge`` its result joins the cell
+    (:func:`merge_methods`: the budget's own config only); always its curve (that method's lines of
+    metrics.jsonl) is copied to ``archive/paper-server-curves/<curve>`` (default
+    ``<cell>-<method>-cpu.jsonl``, never overwritten) and listed in that folder's runs.json with
+    ``label`` (``run``) and, for a trial of our variant, ``change``. The runs.json cell is the one its
+    earlier entries of this cell use (they name where the uploads were trained), else the short name.
+    Checks everything before writing anything; ValueError naming the problem. Returns the new entry."""
+    summary_file, metrics = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    for f in (summary_file, metrics):
+        if not f.is_file():
+            raise ValueError(f"{f}: missing (is the run finished?)")
+    summary = json.loads(summary_file.read_text())
+    if method not in summary.get("results", {}):
+        raise ValueError(f"{method} not in {summary_file}'s results {sorted(summary.get('results', {}))}")
+    name = summary["config"]["name"]
+    cell_file = archive / f"{name}.json"
+    if not cell_file.is_file():
+        raise ValueError(f"{cell_file}: no archived cell named {name}")
+    if not same_uploads(json.loads(cell_file.read_text()),
+                        {**summary, "results": {method: summary["results"][method]}}):
+        raise ValueError(f"{run_dir} did not run on {cell_file.name}'s uploads (setting or uploads_sha256 differ)")
+    short = cell_label(name)
+    folder = archive / CURVE_RUNS
+    target = folder / (curve or f"{short}-{method}-cpu.jsonl")
+    if target.exists():
+        raise ValueError(f"{target}: exists; give another curve name")
+    lines = [line for line in metrics.read_text().splitlines()
+             if line.strip() and json.loads(line).get("method") == method]
+    if not any("accuracy" in json.loads(line) for line in lines):
+        raise ValueError(f"{metrics}: no evaluated epoch of {method}")
+    manifest_file = folder / "runs.json"
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {"about": "", "runs": []}
+    known = [r["cell"] for r in manifest["runs"] if r["cell"] == short or r["cell"].startswith(short + ",")]
+    entry = {"cell": known[0] if known else short, "method": method, "run": label, "file": target.name}
+    if change:
+        entry["change"] = change
+    if merge:
+        merge_methods(cell_file, summary, [method], metrics)
+    folder.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n".join(lines) + "\n")
+    manifest["runs"].append(entry)
+    write_json_atomic(manifest_file, manifest)
+    return entry
+
+
 def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     """``(runs folder, summary, archived cell or None)`` for every summary kept apart under
     ``archive/partial/<runs folder>/`` (:func:`archive_cell`), sorted by folder and cell name."""

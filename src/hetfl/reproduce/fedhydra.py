@@ -954,7 +954,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     common.write_results(path, HEADER, bodies, notes)
 
 
-CURVE_RUNS = "paper-server-curves"  # archive subfolder: server stages measured in part (its runs.json lists them)
+CURVE_RUNS = common.CURVE_RUNS  # archive subfolder: server stages measured in part (its runs.json lists them)
 CURVE_CLASSES = 10  # the curves are MNIST/Fashion-MNIST students: hetfl.report.collapse_bounds of 10 classes
 
 
