@@ -1531,16 +1531,19 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
                  "--merge", "--curve", "m.jsonl", "--results", str(tmp_path / "fedhydra.md")]) == 0
     assert "merged into the archived cell" in capsys.readouterr().out
     merged = json.loads(cell_file.read_text())
-    assert merged["results"]["fedhydra"]["accuracy"] == 12.0 and merged["config"]["methods"]["fedhydra"] == {"epochs": 2}
+    assert merged["results"]["fedhydra"]["accuracy"] == 12.0
+    assert merged["config"]["methods"]["fedhydra"] == {"epochs": 2}
     assert "change" not in json.loads(manifest.read_text())["runs"][-1]
 
     before = (manifest.read_text(), cell_file.read_text())
-    (run / "summary.json").write_text(json.dumps({**summary, "results": {"fedhydra": {**result, "uploads_sha256": "cd"}}}))
+    other = {**summary, "results": {"fedhydra": {**result, "uploads_sha256": "cd"}}}
+    (run / "summary.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="did not run on fedhydra-mnist-2cc-s0-paper.json's uploads"):
         archive_run(archive, run, "fedhydra", "other uploads", curve="o.jsonl")
     with pytest.raises(ValueError, match=r"dense not in .*results \['fedhydra'\]"):
         archive_run(archive, run, "dense", "x", curve="o.jsonl")
-    (run / "summary.json").write_text(json.dumps({**summary, "config": {**summary["config"], "name": "fedhydra-x-s0-paper"}}))
+    renamed = {**summary, "config": {**summary["config"], "name": "fedhydra-x-s0-paper"}}
+    (run / "summary.json").write_text(json.dumps(renamed))
     with pytest.raises(ValueError, match="no archived cell named fedhydra-x-s0-paper"):
         archive_run(archive, run, "fedhydra", "x", curve="o.jsonl")
     (run / "summary.json").unlink()
