@@ -1494,9 +1494,12 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     from hetfl.cli import main
     from hetfl.reproduce.common import archive_run, cell_label
 
-    assert cell_label("fedhydra-mnist-2cc-s0-paper") == "mnist-2cc-s0"
-    with pytest.raises(ValueError, match="not a cell name"):
-        cell_label("mnist")
+    assert cell_label("fedhydra-mnist-2cc-s0-paper", 0) == "mnist-2cc-s0"
+    assert cell_label("fedhydra-mnist-0.01-s10-paper-bf16", 10) == "mnist-0.01-s10"  # a budget with a hyphen
+    assert cell_label("fedmho-fmnist-a0.5-vgg9-e10-s1-reduced", 1) == "fmnist-a0.5-vgg9-e10-s1"
+    for bad in ("mnist", "fedhydra-mnist-2cc-s1-paper", "s0-paper"):
+        with pytest.raises(ValueError, match="not a cell name"):
+            cell_label(bad, 0)
     cfg = {"name": "fedhydra-mnist-2cc-s0-paper", "dataset": "mnist", "seed": 0, "clients": 5,
            "partition": {"kind": "2c/c"}, "client": {"model": "cnn2"}, "server": {"model": "cnn2"},
            "methods": {"fedavg": {}}}

@@ -179,13 +179,14 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
 CURVE_RUNS = "paper-server-curves"  # archive subfolder of runs measured apart from a cell (its runs.json lists them)
 
 
-def cell_label(name: str) -> str:
-    """A cell's short name in runs.json: its config name without the paper and the budget,
-    ``fedhydra-mnist-2cc-s0-paper`` -> ``mnist-2cc-s0``."""
-    parts = name.split("-")
-    if len(parts) < 3:
-        raise ValueError(f"{name!r} is not a cell name <paper>-<cell>-<budget>")
-    return "-".join(parts[1:-1])
+def cell_label(name: str, seed: int) -> str:
+    """A cell's short name in runs.json: its config name ``<paper>-<cell>-s<seed>-<budget>`` without the
+    paper and the budget (which may hold a hyphen), ``fedhydra-mnist-0.01-s0-paper-bf16`` -> ``mnist-0.01-s0``."""
+    end = name.rfind(f"-s{seed}-")
+    start = name.find("-") + 1
+    if end < start:
+        raise ValueError(f"{name!r} is not a cell name <paper>-<cell>-s{seed}-<budget>")
+    return name[start:end + len(f"-s{seed}")]
 
 
 def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change: str | None = None,
@@ -212,7 +213,7 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     if not same_uploads(json.loads(cell_file.read_text()),
                         {**summary, "results": {method: summary["results"][method]}}):
         raise ValueError(f"{run_dir} did not run on {cell_file.name}'s uploads (setting or uploads_sha256 differ)")
-    short = cell_label(name)
+    short = cell_label(name, summary["config"]["seed"])
     folder = archive / CURVE_RUNS
     target = folder / (curve or f"{short}-{method}-cpu.jsonl")
     if target.exists():
