@@ -1552,9 +1552,18 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     (run / "summary.json").unlink()
     assert main(["archive-run", "fedhydra", str(run), "--method", "fedhydra", "--label", "x",
                  "--results", str(tmp_path / "fedhydra.md")]) == 2
-    assert "summary.json: missing" in capsys.readouterr().err
+    assert "summary.json and" in capsys.readouterr().err  # neither a summary nor a config
+    (run / "config.json").write_text(json.dumps({**cfg, "seed": 1}))
+    with pytest.raises(ValueError, match="a stopped run cannot be merged"):
+        archive_run(archive, run, "fedhydra", "x", merge=True, curve="o.jsonl")
+    with pytest.raises(ValueError, match="did not run on"):  # a stopped run of another setting
+        archive_run(archive, run, "fedhydra", "x", curve="o.jsonl", change="c")
     assert (manifest.read_text(), cell_file.read_text()) == before  # refused archives write nothing
     assert not (archive / "paper-server-curves" / "o.jsonl").exists()
+    (run / "config.json").write_text(json.dumps(cfg))  # stopped on the cell's setting: its curve is kept
+    assert archive_run(archive, run, "fedhydra", "stopped", curve="o.jsonl")["file"] == "o.jsonl"
+    assert json.loads(cell_file.read_text()) == json.loads(before[1])
+    assert len((archive / "paper-server-curves" / "o.jsonl").read_text().splitlines()) == 2
 
 
 def test_shipped_vgg9_trial_config_is_the_reproduce_cell():

@@ -198,20 +198,33 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     ``<cell>-<method>-cpu.jsonl``, never overwritten) and listed in that folder's runs.json with
     ``label`` (``run``) and, for a trial of our variant, ``change``. The runs.json cell is the one its
     earlier entries of this cell use (they name where the uploads were trained), else the short name.
-    Checks everything before writing anything; ValueError naming the problem. Returns the new entry."""
-    summary_file, metrics = run_dir / "summary.json", run_dir / "metrics.jsonl"
-    for f in (summary_file, metrics):
-        if not f.is_file():
-            raise ValueError(f"{f}: missing (is the run finished?)")
-    summary = json.loads(summary_file.read_text())
-    if method not in summary.get("results", {}):
-        raise ValueError(f"{method} not in {summary_file}'s results {sorted(summary.get('results', {}))}")
+    A stopped run (no summary.json yet: its config.json and the epochs it logged) keeps its curve but
+    cannot be merged, and only its setting (not ``uploads_sha256``, which the summary records) is
+    checked against the cell's. Checks everything before writing anything; ValueError naming the
+    problem. Returns the new entry."""
+    summary_file, metrics, config_file = run_dir / "summary.json", run_dir / "metrics.jsonl", run_dir / "config.json"
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: missing")
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        if method not in summary.get("results", {}):
+            raise ValueError(f"{method} not in {summary_file}'s results {sorted(summary.get('results', {}))}")
+    elif merge:
+        raise ValueError(f"{summary_file}: missing; a stopped run cannot be merged (keep its curve without --merge)")
+    elif config_file.is_file():
+        summary = {"config": json.loads(config_file.read_text()), "results": {}}
+    else:
+        raise ValueError(f"{summary_file} and {config_file}: missing")
     name = summary["config"]["name"]
     cell_file = archive / f"{name}.json"
     if not cell_file.is_file():
         raise ValueError(f"{cell_file}: no archived cell named {name}")
-    if not same_uploads(json.loads(cell_file.read_text()),
-                        {**summary, "results": {method: summary["results"][method]}}):
+    cell = json.loads(cell_file.read_text())
+    if summary["results"]:
+        same = same_uploads(cell, {**summary, "results": {method: summary["results"][method]}})
+    else:  # a stopped run: its setting only
+        same = all(cell["config"].get(k) == summary["config"].get(k) for k in UPLOAD_KEYS)
+    if not same:
         raise ValueError(f"{run_dir} did not run on {cell_file.name}'s uploads (setting or uploads_sha256 differ)")
     short = cell_label(name, summary["config"]["seed"])
     folder = archive / CURVE_RUNS
@@ -247,14 +260,15 @@ def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any
     return out
 
 
+UPLOAD_KEYS = ("dataset", "seed", "clients", "partition", "client", "server")  # what makes the uploads
+
 def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
     and then, where both recorded ``uploads_sha256`` (runs since that field), the same digest for every
     method both ran and every digest of the cell with fewer of them found in the other (a cell's
     methods may upload different things: FedMHO's classifiers and CVAEs, FedCVAE's decoders), else
     FedAvg and the ensemble (pure functions of the uploads) equal to the last digit."""
-    keys = ("dataset", "seed", "clients", "partition", "client", "server")
-    if any(a["config"].get(k) != b["config"].get(k) for k in keys):
+    if any(a["config"].get(k) != b["config"].get(k) for k in UPLOAD_KEYS):
         return False
     per_a, per_b = method_digests(a), method_digests(b)
     if per_a and per_b:
