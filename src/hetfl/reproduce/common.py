@@ -262,6 +262,7 @@ def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any
 
 UPLOAD_KEYS = ("dataset", "seed", "clients", "partition", "client", "server")  # what makes the uploads
 
+
 def same_uploads(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two cells provably ran on the same client uploads: the same clients, partition and seed,
     and then, where both recorded ``uploads_sha256`` (runs since that field), the same digest for every
