@@ -1561,6 +1561,8 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     assert (manifest.read_text(), cell_file.read_text()) == before  # refused archives write nothing
     assert not (archive / "paper-server-curves" / "o.jsonl").exists()
     (run / "config.json").write_text(json.dumps(cfg))  # stopped on the cell's setting: its curve is kept
+    (run / "fedhydra").mkdir()
+    (run / "metrics.jsonl").rename(run / "fedhydra" / "metrics.jsonl")  # as a stopped run has it
     assert archive_run(archive, run, "fedhydra", "stopped", curve="o.jsonl")["file"] == "o.jsonl"
     assert json.loads(cell_file.read_text()) == json.loads(before[1])
     assert len((archive / "paper-server-curves" / "o.jsonl").read_text().splitlines()) == 2

@@ -198,13 +198,15 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     ``<cell>-<method>-cpu.jsonl``, never overwritten) and listed in that folder's runs.json with
     ``label`` (``run``) and, for a trial of our variant, ``change``. The runs.json cell is the one its
     earlier entries of this cell use (they name where the uploads were trained), else the short name.
-    A stopped run (no summary.json yet: its config.json and the epochs it logged) keeps its curve but
-    cannot be merged, and only its setting (not ``uploads_sha256``, which the summary records) is
-    checked against the cell's. Checks everything before writing anything; ValueError naming the
+    A stopped run (no summary.json yet: its config.json and the epochs ``<method>/metrics.jsonl``
+    logged) keeps its curve but cannot be merged, and only its setting (not ``uploads_sha256``, which
+    the summary records) is checked against the cell's. Checks everything before writing anything; ValueError naming the
     problem. Returns the new entry."""
     summary_file, metrics, config_file = run_dir / "summary.json", run_dir / "metrics.jsonl", run_dir / "config.json"
+    if not metrics.is_file():  # a stopped run has only its method's own log so far
+        metrics = run_dir / method / "metrics.jsonl"
     if not metrics.is_file():
-        raise ValueError(f"{metrics}: missing")
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} and {metrics}: missing")
     if summary_file.is_file():
         summary = json.loads(summary_file.read_text())
         if method not in summary.get("results", {}):
