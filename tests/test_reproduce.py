@@ -1566,6 +1566,10 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     assert archive_run(archive, run, "fedhydra", "stopped", curve="o.jsonl")["file"] == "o.jsonl"
     assert json.loads(cell_file.read_text()) == json.loads(before[1])
     assert len((archive / "paper-server-curves" / "o.jsonl").read_text().splitlines()) == 2
+    no_eval = json.dumps({"method": "fedhydra", "step": 1, "kd_loss": 1.0}) + "\n"
+    (run / "fedhydra" / "metrics.jsonl").write_text(no_eval)
+    with pytest.raises(ValueError, match="no evaluated epoch of fedhydra"):  # a log without an evaluation
+        archive_run(archive, run, "fedhydra", "x", curve="p.jsonl")
 
 
 def test_shipped_vgg9_trial_config_is_the_reproduce_cell():

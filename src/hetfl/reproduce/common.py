@@ -233,10 +233,10 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     target = folder / (curve or f"{short}-{method}-cpu.jsonl")
     if target.exists():
         raise ValueError(f"{target}: exists; give another curve name")
+    if not logged_curves(metrics, (method,)):
+        raise ValueError(f"{metrics}: no evaluated epoch of {method}")
     lines = [line for line in metrics.read_text().splitlines()
              if line.strip() and json.loads(line).get("method") == method]
-    if not any("accuracy" in json.loads(line) for line in lines):
-        raise ValueError(f"{metrics}: no evaluated epoch of {method}")
     manifest_file = folder / "runs.json"
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {"about": "", "runs": []}
     known = [r["cell"] for r in manifest["runs"] if r["cell"] == short or r["cell"].startswith(short + ",")]
