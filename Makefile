@@ -4,6 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hetfl-installed
 DATA   ?= data
+# pytest-xdist workers for `make test` (each gives torch one thread; 0 runs the suite in one process)
+TEST_WORKERS ?= 2
 
 .PHONY: install data demo test lint clean
 
@@ -24,7 +26,7 @@ lint: install
 	$(BIN)/ruff check src tests
 
 test: data lint
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 
 clean:
 	rm -rf runs cache .pytest_cache

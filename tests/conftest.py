@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import signal
 from pathlib import Path
 
@@ -11,7 +12,13 @@ import torch
 
 from hetfl.data.synthetic import load_synthetic
 
-torch.set_num_threads(2)
+# Serially the suite gives torch both cores. Under pytest-xdist (`-n 2`) each worker gets one core, and
+# so do the processes its tests start: two workers at two spinning threads each thrash 2 cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 # A shell that starts the suite in the background (`make test &`, nohup, some CI runners) hands it
 # SIGINT ignored, and an ignored signal stays ignored across exec: the subprocesses of the Ctrl-C tests
