@@ -1566,6 +1566,14 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     assert archive_run(archive, run, "fedhydra", "stopped", curve="o.jsonl")["file"] == "o.jsonl"
     assert json.loads(cell_file.read_text()) == json.loads(before[1])
     assert len((archive / "paper-server-curves" / "o.jsonl").read_text().splitlines()) == 2
+    # the same run, resumed and longer: its curve replaces the stopped one (file and runs.json entry)
+    log = run / "fedhydra" / "metrics.jsonl"
+    log.write_text(log.read_text() + json.dumps({"method": "fedhydra", "step": 9, "accuracy": 50.0}) + "\n")
+    longer = archive_run(archive, run, "fedhydra", "resumed", curve="q.jsonl")
+    assert longer["replaces"] == "o.jsonl" and not (archive / "paper-server-curves" / "o.jsonl").exists()
+    listed = json.loads(manifest.read_text())["runs"]
+    assert [r["file"] for r in listed if r["file"] in ("o.jsonl", "q.jsonl")] == ["q.jsonl"]
+    assert len((archive / "paper-server-curves" / "q.jsonl").read_text().splitlines()) == 3
     no_eval = json.dumps({"method": "fedhydra", "step": 1, "kd_loss": 1.0}) + "\n"
     (run / "fedhydra" / "metrics.jsonl").write_text(no_eval)
     with pytest.raises(ValueError, match="no evaluated epoch of fedhydra"):  # a log without an evaluation

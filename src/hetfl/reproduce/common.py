@@ -198,6 +198,8 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     ``<cell>-<method>-cpu.jsonl``, never overwritten) and listed in that folder's runs.json with
     ``label`` (``run``) and, for a trial of our variant, ``change``. The runs.json cell is the one its
     earlier entries of this cell use (they name where the uploads were trained), else the short name.
+    An earlier entry of the same cell and method whose curve begins this one's (the same run, archived
+    when it was stopped) is removed with its file, and the new entry names it as ``replaces``.
     A stopped run (no summary.json yet: its config.json and the epochs ``<method>/metrics.jsonl``
     logged) keeps its curve but cannot be merged, and only its setting (not ``uploads_sha256``, which
     the summary records) is checked against the cell's. Checks everything before writing anything; ValueError naming the
@@ -243,11 +245,22 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     entry = {"cell": known[0] if known else short, "method": method, "run": label, "file": target.name}
     if change:
         entry["change"] = change
+    # the same run archived earlier when it was stopped: its curve is a prefix of this one's
+    def begins_this(r: dict[str, str]) -> bool:
+        earlier = (folder / r["file"]).read_text().splitlines() if (folder / r["file"]).is_file() else []
+        same = r["cell"] == entry["cell"] and r["method"] == method
+        return same and bool(earlier) and lines[:len(earlier)] == earlier
+
+    older = [r for r in manifest["runs"] if begins_this(r)]
+    if older:
+        entry["replaces"] = ", ".join(r["file"] for r in older)
     if merge:
         merge_methods(cell_file, summary, [method], metrics)
     folder.mkdir(parents=True, exist_ok=True)
     target.write_text("\n".join(lines) + "\n")
-    manifest["runs"].append(entry)
+    for r in older:
+        (folder / r["file"]).unlink()
+    manifest["runs"] = [r for r in manifest["runs"] if r not in older] + [entry]
     write_json_atomic(manifest_file, manifest)
     return entry
 
