@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1101,7 +1102,10 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     ncols = min(2, len(cells))
     nrows = -(-len(cells) // ncols)
     runs = {cell: [r for r in rows if r["cell"] == cell] for cell in cells}
-    heights = [3.6 + 0.12 * max(len(runs[c]) for c in cells[i * ncols:(i + 1) * ncols]) for i in range(nrows)]
+    # long run labels are wrapped, so that they widen neither the figure nor shrink its panels
+    labels = {id(r): textwrap.fill(f"{LABELS.get(r['method'], r['method'])}, {r['run']}", 100) for r in rows}
+    lines = {c: sum(labels[id(r)].count("\n") + 1 for r in runs[c]) for c in cells}
+    heights = [3.6 + 0.12 * max(lines[c] for c in cells[i * ncols:(i + 1) * ncols]) for i in range(nrows)]
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax in axes.flat[len(cells):]:
@@ -1109,7 +1113,7 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     for ax, cell in zip(axes.flat, cells):
         for r in runs[cell]:
             steps, accs = zip(*r["curve"])
-            ax.plot(steps, accs, lw=1, label=f"{LABELS.get(r['method'], r['method'])}, {r['run']}")
+            ax.plot(steps, accs, lw=1, label=labels[id(r)])
         ax.set_title(f"{cell} (clients of budget paper)", fontsize=9)
         ax.set_xlabel("server epoch")
         ax.set_ylabel("test accuracy %")
