@@ -1644,3 +1644,12 @@ def test_client_shards_minutes_count_in_the_cells_minutes(tmp_path, tiny_config)
         _advance(plan, job, True, tmp_path, {"tiny": cfg})
     assert [j.methods for j in plan.ready] == [["dense"]]  # after the last shard
     assert cell_minutes(json.loads((cell / "summary.json").read_text())) == pytest.approx(3.0, abs=0.01)
+
+
+def test_curve_legend_labels_wrap_at_their_width():
+    row = {"method": "dense", "run": "stopped by the session's end after 70 of 200 epochs on a 2-vCPU Xeon "
+                                    "with AMX (fifty-seventh session), fp32, one thread beside another run"}
+    label = paper._run_label(row)
+    assert label.startswith("DENSE, stopped") and label.replace("\n", " ") == f"DENSE, {row['run']}"
+    assert label.count("\n") == 1 and all(len(line) <= 100 for line in label.splitlines())
+    assert "\n" not in paper._run_label({"method": "dense", "run": "200 epochs (H200)"})

@@ -247,9 +247,10 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
         entry["change"] = change
     # the same run archived earlier when it was stopped: its curve is a prefix of this one's
     def begins_this(r: dict[str, str]) -> bool:
-        earlier = (folder / r["file"]).read_text().splitlines() if (folder / r["file"]).is_file() else []
-        same = r["cell"] == entry["cell"] and r["method"] == method
-        return same and bool(earlier) and lines[:len(earlier)] == earlier
+        if r["cell"] != entry["cell"] or r["method"] != method or not (folder / r["file"]).is_file():
+            return False
+        earlier = (folder / r["file"]).read_text().splitlines()
+        return bool(earlier) and lines[:len(earlier)] == earlier
 
     older = [r for r in manifest["runs"] if begins_this(r)]
     if older:

@@ -1090,6 +1090,12 @@ def change_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _run_label(row: dict[str, Any], width: int = 100) -> str:
+    """A curve's legend label (method, then how it ran), wrapped at ``width`` characters: a long label
+    would widen the figure's tight bounding box and shrink every panel."""
+    return textwrap.fill(f"{LABELS.get(row['method'], row['method'])}, {row['run']}", width)
+
+
 def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell (two per row), one line per
     run. Each panel's legend sits under it, and a row of panels is as much taller as its longest legend
@@ -1102,9 +1108,7 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     ncols = min(2, len(cells))
     nrows = -(-len(cells) // ncols)
     runs = {cell: [r for r in rows if r["cell"] == cell] for cell in cells}
-    # long run labels are wrapped, so that they widen neither the figure nor shrink its panels
-    labels = {id(r): textwrap.fill(f"{LABELS.get(r['method'], r['method'])}, {r['run']}", 100) for r in rows}
-    lines = {c: sum(labels[id(r)].count("\n") + 1 for r in runs[c]) for c in cells}
+    lines = {c: sum(_run_label(r).count("\n") + 1 for r in runs[c]) for c in cells}
     heights = [3.6 + 0.12 * max(lines[c] for c in cells[i * ncols:(i + 1) * ncols]) for i in range(nrows)]
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
@@ -1113,7 +1117,7 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     for ax, cell in zip(axes.flat, cells):
         for r in runs[cell]:
             steps, accs = zip(*r["curve"])
-            ax.plot(steps, accs, lw=1, label=labels[id(r)])
+            ax.plot(steps, accs, lw=1, label=_run_label(r))
         ax.set_title(f"{cell} (clients of budget paper)", fontsize=9)
         ax.set_xlabel("server epoch")
         ax.set_ylabel("test accuracy %")
