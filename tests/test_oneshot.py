@@ -392,6 +392,31 @@ def test_a_stop_signal_in_mid_epoch_saves_that_epoch_and_the_resume_gives_the_sa
     assert [x["step"] for x in rows] == [1, 2, 3, 4, -1]
 
 
+def test_checkpoints_come_every_checkpoint_every_epochs_or_seconds_and_the_seconds_stay_out_of_the_key(
+        tmp_path, monkeypatch):
+    """A stage killed without a signal loses at most ``checkpoint_every_s`` of work; changing that
+    setting does not change the trained model, so it does not stop a checkpoint from resuming."""
+    from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller, config_key
+
+    saved: list[int] = []
+    real = DataFreeDistiller.save_checkpoint
+    monkeypatch.setattr(DataFreeDistiller, "save_checkpoint",
+                        lambda self, epoch, key: (saved.append(epoch), real(self, epoch, key)))
+    cfg = json.loads(json.dumps(SMOKE))
+    for every_s, expected in [(600.0, [2, 4, 5]), (0.0, [1, 2, 3, 4, 5])]:
+        saved.clear()
+        cfg["methods"] = {"dense": {"epochs": 5, "generator_steps": 1, "batch_size": 8, "checkpoint_every": 2,
+                                    "checkpoint_every_s": every_s}}
+        Simulator(prepare(validate(cfg)), tmp_path / str(every_s), tmp_path / "cache", quiet=True).run()
+        assert saved == expected
+    a, b = DataFreeConfig(), DataFreeConfig(checkpoint_every_s=5.0)
+    assert config_key(a, params={"checkpoint_every_s": 600.0}) == config_key(b, params={"checkpoint_every_s": 5.0})
+    assert config_key(a) != config_key(DataFreeConfig(checkpoint_every=5))  # the epochs' setting stays in
+    for bad in [{"checkpoint_every_s": -1.0}, {"checkpoint_every_s": float("nan")}, {"checkpoint_every": 0}]:
+        with pytest.raises(ValueError, match="checkpoint_every must be >= 1 and checkpoint_every_s >= 0"):
+            DataFreeConfig(**bad)
+
+
 def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path):
     """A stop between the blob's and the info file's writes must not restore epoch-4 weights as epoch 2."""
     cfg = json.loads(json.dumps(SMOKE))

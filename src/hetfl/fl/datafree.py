@@ -9,7 +9,8 @@ loss, the student loss, which batches to keep and whether the generator is reset
 Shared pieces: :class:`BNStatsLoss` (DeepInversion hooks on the teachers' BatchNorm layers),
 :func:`kl_div`, a bounded in-memory replay pool (uint8 images + teacher logits, never on disk),
 evaluation and metric logging through the :class:`~hetfl.fl.method.ServerContext`, and a
-checkpoint after every ``checkpoint_every`` epochs so an interrupted server stage resumes. Each
+checkpoint after every ``checkpoint_every`` epochs or ``checkpoint_every_s`` seconds, whichever comes
+first, so an interrupted server stage resumes. Each
 epoch logs the mean KD loss and ``kd_grad_max``, the largest gradient norm of the student's KD steps
 (before the optional ``grad_clip``, which is in none of the papers): a student that collapses to one
 class shows as a drop of that norm to the last layer's ~1.6 (measured at FedHydra's paper budget,
@@ -181,13 +182,17 @@ class DataFreeConfig:
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
     grad_clip: float = 0.0  # clip the student's gradient norm in each KD step (0: off; in none of the papers)
     eval_every: int = 1
-    checkpoint_every: int = 10
+    checkpoint_every: int = 10  # epochs between checkpoints
+    checkpoint_every_s: float = 600.0  # ... or seconds, whichever comes first (0: after every epoch)
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.generator_steps < 1 or self.batch_size < 2:
             raise ValueError("epochs, generator_steps >= 1 and batch_size >= 2 are required")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip must be >= 0 (0: off), got {self.grad_clip}")
+        if self.checkpoint_every < 1 or not self.checkpoint_every_s >= 0:
+            raise ValueError(f"checkpoint_every must be >= 1 and checkpoint_every_s >= 0 (0: after every epoch), "
+                             f"got {self.checkpoint_every} and {self.checkpoint_every_s}")
         check_precision(self.precision)
 
 
@@ -448,7 +453,7 @@ class DataFreeDistiller:
             ctx.record["resumed_from_epoch"] = start - 1
         bar = ctx.progress(range(start, cfg.epochs + 1), desc=f"{self.name}: distillation", unit="epoch",
                            initial=start - 1, total=cfg.epochs)
-        self.began = time.perf_counter()
+        self.began = saved = time.perf_counter()
         # A stop (Ctrl-C, or the SIGINT a parallel parent sends at a deadline) lets the epoch under way
         # finish and saves it, instead of losing the epochs since the last periodic checkpoint.
         with stop_deferred(notice=f"{self.name}: stopping after this epoch, to save a checkpoint") as stop:
@@ -457,8 +462,10 @@ class DataFreeDistiller:
                 if "accuracy" in row:
                     bar.set_postfix(acc=f"{row['accuracy']:.2f}", best=f"{max(self.history):.2f}")
                 ctx.log(epoch, **row)
-                if (got := stop()) or epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs:
+                due = epoch % cfg.checkpoint_every == 0 or time.perf_counter() - saved >= cfg.checkpoint_every_s
+                if (got := stop()) or due or epoch == cfg.epochs:
                     self.save_checkpoint(epoch, config_key)
+                    saved = time.perf_counter()
                     if got:
                         raise KeyboardInterrupt  # leaves the block, which delivers the signal
         self.bn.remove()
@@ -474,9 +481,13 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 
 LATER_KEYS = {"grad_clip": 0.0}  # keys added after checkpoints were written: left out of the key at their default
+NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model (added after checkpoints)
 
 
 def config_key(cfg: DataFreeConfig, **extra: Any) -> str:
-    """What a checkpoint must match to be resumed: every setting of the loop and ``extra``."""
-    keys = {k: v for k, v in asdict(cfg).items() if LATER_KEYS.get(k, object()) != v}
+    """What a checkpoint must match to be resumed: every setting of the loop and ``extra`` (a
+    method's ``params`` included), less the :data:`NOT_IN_KEY` settings."""
+    keys = {k: v for k, v in asdict(cfg).items() if LATER_KEYS.get(k, object()) != v and k not in NOT_IN_KEY}
+    if isinstance(extra.get("params"), dict):
+        extra["params"] = {k: v for k, v in extra["params"].items() if k not in NOT_IN_KEY}
     return json.dumps({**keys, **extra}, sort_keys=True, default=str)
