@@ -2,6 +2,8 @@
 
 import json
 import math
+import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from hetfl.fl.generative import (
     train_on_synthetic,
 )
 from hetfl.fl.method import ServerContext, create_method
+from hetfl.fl.payload import Payload
 from hetfl.fl.training import TrainConfig, evaluate
 from hetfl.methods.fedmho import generative_clients
 from hetfl.models import count_flops
@@ -187,7 +190,8 @@ def make_ctx(splits, num_clients: int, archs: list[str] | None = None, server_ar
     return ServerContext(
         seed=0, num_classes=splits.num_classes, shape=splits.shape, num_clients=num_clients,
         client_archs=archs or ["cnn2"] * num_clients, server_arch=server_arch,
-        train_cfg=TrainConfig(epochs=2, batch_size=32, lr=0.05), device=CPU, out_dir=Path("."),
+        train_cfg=TrainConfig(epochs=2, batch_size=32, lr=0.05), device=CPU,
+        out_dir=Path(tempfile.mkdtemp(prefix="hetfl-fedmho-")),  # a stage's checkpoint goes there
         evaluate=lambda m: evaluate(m, splits.test, CPU), log=lambda step, **kw: None,
         progress=lambda it, **kw: it, pooled_train_data=lambda: splits.train, dataset="synthetic",
     )
@@ -451,6 +455,85 @@ def test_every_method_runs_from_a_config_and_writes_summary(tiny_config, tmp_pat
     assert results["fedmho_md"]["cached_uploads"] == 4  # same requests as fedmho: all from the cache
     assert results["fedcvae_ens"]["cached_uploads"] == 2  # FedMHO's generative clients 2, 3
     assert results["fedmho"]["synthetic_used"] == sum(keep_count(30, 0.8) for _ in range(4))
+
+
+def test_an_interrupted_server_stage_resumes_to_the_same_model(tiny_config, tmp_path, monkeypatch, capsys):
+    """FedMHO's and FedCVAE's training on the synthetic set save their state: a run stopped by Ctrl-C in
+    epoch 3 (held back until that epoch is done and saved) or by an error in epoch 3 (saved after every
+    epoch) goes on from there and ends with the uninterrupted run's model, accuracy, best accuracy and
+    one metrics row per epoch; its earlier seconds count; the files go at the end."""
+    from hetfl.fl import generative
+    from hetfl.methods.fedmho import GenerativeMethod
+
+    tiny_config.update(clients=4)
+    tiny_config["client"]["epochs"] = 2
+    fast = {"cvae_epochs": 2, "cvae_lr": 1e-3, "num_samples": 120, "epochs": 4, "lr": 1e-3}
+    tiny_config["methods"] = {"fedmho_md": fast}
+    full = Simulator(prepare(validate(tiny_config)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
+    original = generative.train_mode
+
+    for name, how, every_s, saved in (("ctrl-c", "signal", 1e9, 3), ("error", "raise", 0.0, 2)):
+        calls: list[int] = []
+
+        def train_mode(model, freeze_bn, how=how, calls=calls):
+            calls.append(1)
+            if len(calls) == 3 and how == "raise":
+                raise KeyboardInterrupt
+            if len(calls) == 3:
+                signal.raise_signal(signal.SIGINT)  # held back until epoch 3 is done and saved
+            original(model, freeze_bn)
+
+        monkeypatch.setattr(generative, "train_mode", train_mode)
+        monkeypatch.setattr(GenerativeMethod, "CHECKPOINT_EVERY_S", every_s)
+        with pytest.raises(KeyboardInterrupt):
+            Simulator(prepare(validate(tiny_config)), tmp_path / name, tmp_path / "cache", quiet=True).run()
+        folder = tmp_path / name / "fedmho_md"
+        assert Payload.read_meta(folder / "checkpoint-fuse.safetensors")["done"] == saved
+        calls.clear()
+        resumed = Simulator(prepare(validate(tiny_config)), tmp_path / name, tmp_path / "cache", quiet=True).run()
+        assert len(calls) == 4 - saved  # the saved epochs are not run again
+        r, f = resumed["results"]["fedmho_md"], full["results"]["fedmho_md"]
+        assert r["resumed_from_epoch"] == {"fuse": saved}
+        assert (r["accuracy"], r["best_accuracy"], r["curve"]) == (f["accuracy"], f["best_accuracy"], f["curve"])
+        assert r["seconds"] > r["seconds_before_resume"] > 0 and "seconds_before_resume" not in f
+        assert r["models"] == f["models"]
+        rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in rows if x["step"] >= 0] == [0, 1, 2, 3, 4]
+        assert not list(folder.glob("checkpoint-*"))
+    assert "knowledge fusion: stopping after this epoch, to save a checkpoint (SIGINT)" in capsys.readouterr().err
+
+
+def test_a_stage_checkpoint_of_another_run_or_model_is_ignored_with_a_warning(tmp_path):
+    """A checkpoint is used only for its own key and a model of the same state names and shapes;
+    otherwise the loop starts over (and says so) instead of restoring half a state."""
+    from hetfl.fl.checkpoint import Resumed, StageCheckpoint
+    from hetfl.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("cnn2", 1, 16, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.rand(2, 1, 16, 16)).sum().backward()
+    opt.step()
+    g = torch.Generator().manual_seed(1)
+    StageCheckpoint(tmp_path / "c.safetensors", "run A").save(model, opt, g, 3, [10.0, 20.0], 5.0)
+    fresh = build_model("cnn2", 1, 16, 4)
+    state = StageCheckpoint(tmp_path / "c.safetensors", "run A").load(fresh, torch.optim.Adam(fresh.parameters()),
+                                                                       torch.Generator())
+    assert state == Resumed(3, [10.0, 20.0], 5.0)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    with pytest.warns(UserWarning, match="written for another configuration"):
+        assert StageCheckpoint(tmp_path / "c.safetensors", "run B").load(
+            fresh, torch.optim.Adam(fresh.parameters()), torch.Generator()) == Resumed()
+    other = build_model("cnn2", 1, 16, 5)  # another class count: other head shapes
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.warns(UserWarning, match="other names or shapes"):
+        assert StageCheckpoint(tmp_path / "c.safetensors", "run A").load(
+            other, torch.optim.Adam(other.parameters()), torch.Generator()) == Resumed()
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())  # nothing restored
+    (tmp_path / "c.safetensors").write_bytes(b"not a payload")
+    with pytest.warns(UserWarning, match="not used"):
+        assert StageCheckpoint(tmp_path / "c.safetensors", "run A").load(
+            fresh, torch.optim.Adam(fresh.parameters()), torch.Generator()) == Resumed()
 
 
 def test_fedmho_md_on_synthetic_data_beats_chance(four_clients):

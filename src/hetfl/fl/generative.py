@@ -20,7 +20,9 @@ Server side, shared by the methods:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -29,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetfl.fl.checkpoint import Resumed, StageCheckpoint
 from hetfl.fl.client import ClientEnv, client_task
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import accuracy_report, autocast, check_precision, minibatches, prepare
+from hetfl.fl.training import accuracy_report, autocast, check_precision, minibatches, prepare, stop_deferred
 from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 
@@ -287,7 +290,8 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
                        teacher: torch.Tensor | None = None,
                        evaluate: Callable[[nn.Module], dict[str, Any]] | None = None,
                        log: Callable[..., None] | None = None, progress: Callable[..., Any] | None = None,
-                       desc: str = "server training") -> list[float]:
+                       desc: str = "server training", checkpoint: StageCheckpoint | None = None,
+                       on_resume: Callable[[Resumed], None] | None = None) -> list[float]:
     """``lam * CE(model(x), y) + (1 - lam) * KL(teacher || model(x))`` (Eq. 5 when ``teacher`` is
     None, else Eq. 8), Adam, shuffled minibatches; returns the accuracy after each evaluated epoch
     (epoch 0 = before training) and logs ``accuracy``, ``ce``, ``kd`` per epoch.
@@ -296,12 +300,21 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
     evaluations under bf16 autocast (the loss terms, Adam and the weights stay fp32); the engine's
     evaluation of the returned model is its own (fp32), so a run's last curve point and its headline
     accuracy show what bf16 evaluation moves. ``cfg.channels_last`` trains in NHWC and hands the
-    model back in the default layout."""
+    model back in the default layout.
+
+    With a ``checkpoint`` the loop first restores the state saved there (``on_resume`` then hears
+    where it stands, also when nothing was saved), saves after an epoch when the checkpoint is due,
+    after the last epoch, and on SIGINT or SIGTERM after the epoch under way (then stops with
+    KeyboardInterrupt); the curve so far travels with it. The caller clears it once the result is safe."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    curve: list[float] = []
     layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = prepare(model, x.device, cfg.channels_last)
+    state = checkpoint.load(model, opt, g) if checkpoint is not None else Resumed()
+    if on_resume is not None:
+        on_resume(state)
+    curve: list[float] = list(state.history)
+    began = time.perf_counter()
 
     def record(epoch: int, ce: float, kd: float) -> None:
         if evaluate is None or (epoch % cfg.eval_every and epoch != cfg.epochs):
@@ -312,27 +325,35 @@ def train_on_synthetic(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: 
         if log is not None:
             log(epoch, accuracy=acc, ce=ce, kd=kd)
 
-    record(0, float("nan"), float("nan"))
-    epochs = range(1, cfg.epochs + 1)
-    for epoch in progress(epochs, desc=desc, unit="epoch") if progress else epochs:
-        train_mode(model, cfg.freeze_bn)
-        sums, count = torch.zeros(2), 0
-        for idx in minibatches(len(x), cfg.batch_size, g):
-            idx = idx.to(x.device)
-            with autocast(x.device, cfg.precision):
-                out = model(x[idx].contiguous(memory_format=layout)).float()
-            ce = F.cross_entropy(out, y[idx])
-            if teacher is None:
-                kd, loss = torch.zeros((), device=out.device), ce
-            else:
-                kd = kd_term(teacher[idx], out, cfg.kl_reduction)
-                loss = cfg.lam * ce + (1 - cfg.lam) * kd
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sums += torch.stack([ce.detach(), kd.detach()]).cpu() * len(idx)
-            count += len(idx)
-        record(epoch, float(sums[0] / max(count, 1)), float(sums[1] / max(count, 1)))
+    if state.done == 0:
+        record(0, float("nan"), float("nan"))
+    epochs = range(state.done + 1, cfg.epochs + 1)
+    bar = progress(epochs, desc=desc, unit="epoch", initial=state.done, total=cfg.epochs) if progress else epochs
+    with stop_deferred(notice=f"{desc}: stopping after this epoch, to save a checkpoint") if checkpoint \
+            else contextlib.nullcontext(lambda: None) as stop:
+        for epoch in bar:
+            train_mode(model, cfg.freeze_bn)
+            sums, count = torch.zeros(2), 0
+            for idx in minibatches(len(x), cfg.batch_size, g):
+                idx = idx.to(x.device)
+                with autocast(x.device, cfg.precision):
+                    out = model(x[idx].contiguous(memory_format=layout)).float()
+                ce = F.cross_entropy(out, y[idx])
+                if teacher is None:
+                    kd, loss = torch.zeros((), device=out.device), ce
+                else:
+                    kd = kd_term(teacher[idx], out, cfg.kl_reduction)
+                    loss = cfg.lam * ce + (1 - cfg.lam) * kd
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sums += torch.stack([ce.detach(), kd.detach()]).cpu() * len(idx)
+                count += len(idx)
+            record(epoch, float(sums[0] / max(count, 1)), float(sums[1] / max(count, 1)))
+            if checkpoint is not None and ((got := stop()) or checkpoint.due(final=epoch == cfg.epochs)):
+                checkpoint.save(model, opt, g, epoch, curve, state.seconds + time.perf_counter() - began)
+                if got:
+                    raise KeyboardInterrupt  # leaves the block, which delivers the signal
     if cfg.channels_last:
         model.to(memory_format=torch.contiguous_format)
     return curve

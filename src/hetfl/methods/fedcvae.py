@@ -41,7 +41,6 @@ from hetfl.fl.generative import (
     allocate_uniform,
     cell_labels,
     generate,
-    train_on_synthetic,
 )
 from hetfl.fl.method import ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
@@ -74,9 +73,9 @@ class FedCVAE(GenerativeMethod):
         x, y = self.synthetic(uploads, ctx)
         ctx.record["synthetic_used"] = len(y)
         model = ctx.build(ctx.server_arch, purpose=f"{self.name}-classifier")
-        curve = train_on_synthetic(model, x, y, self.fusion(ctx), derive_seed(ctx.seed, self.name, "classifier"),
-                                   evaluate=ctx.evaluate, log=ctx.log, progress=ctx.progress,
-                                   desc=f"{self.name}: classifier")
+        curve = self.train_stage("classifier", model, x, y, self.fusion(ctx), uploads, ctx,
+                                 desc=f"{self.name}: classifier")
+        self.clear_stages(ctx)
         ctx.record["curve"] = curve
         return {self.name: model}
 

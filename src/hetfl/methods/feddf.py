@@ -30,7 +30,8 @@ The teachers run in channels_last for that pass (VGG-9 inference 2.5 s per 1,000
 
 Checkpoints (ours; the public code has none): the teachers' logits are kept in ``teacher-logits.safetensors``
 once computed, and each student's distillation saves its state (weights, Adam's moments, the
-schedule's step, the batch generator's state and the evaluations so far) every
+schedule's step, the batch generator's and the default random states, the evaluations so far:
+:class:`~hetfl.fl.checkpoint.StageCheckpoint`) every
 ``CHECKPOINT_EVERY_S`` seconds, at its last step, and on SIGINT or SIGTERM after the step under way,
 in the method's folder (safetensors, no pickle). The same run again goes on from there (a device
 call stopped by its deadline loses at most a step); the files go once the method is done. A resumed
@@ -60,14 +61,13 @@ from torch import nn
 
 from hetfl.data import ImageDataset, load_dataset
 from hetfl.fl.aggregate import Ensemble, vote, weighted_average
+from hetfl.fl.checkpoint import Resumed, StageCheckpoint, load_matching
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
-from hetfl.fl.payload import Payload, PayloadError
+from hetfl.fl.payload import Payload
 from hetfl.fl.training import (
     autocast,
     check_precision,
-    load_optimizer_tensors,
-    optimizer_tensors,
     predict_logits,
     prepare,
     stop_deferred,
@@ -75,22 +75,6 @@ from hetfl.fl.training import (
 from hetfl.methods.common import client_models, group_by_arch
 
 CHECKPOINT_EVERY_S = 120.0  # a student's distillation saves its state this often (and at its end)
-
-
-def load_matching(path: Path, key: str) -> Payload | None:
-    """The payload at ``path`` if it was written for ``key``; None (with a warning for a file that
-    cannot be read or belongs to another run) otherwise."""
-    if not path.is_file():
-        return None
-    try:
-        saved = Payload.from_bytes(path.read_bytes())
-    except PayloadError as err:
-        warnings.warn(f"{path} not used ({err}); starting over", stacklevel=3)
-        return None
-    if saved.meta.get("key") != key:
-        warnings.warn(f"{path} not used (written for another configuration); starting over", stacklevel=3)
-        return None
-    return saved
 
 
 AUXILIARY = {"mnist": "fmnist", "fmnist": "mnist", "emnist": "mnist", "cifar10": "cifar100",
@@ -219,7 +203,13 @@ class FedDF(OneShotMethod):
         opt = torch.optim.Adam(student.parameters(), lr=p["lr"])
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p["steps"])
         g = torch.Generator().manual_seed(seed)
-        done, history, prior = self._resume(checkpoint, key, student, opt, schedule, g, ctx)
+        ckpt = StageCheckpoint(checkpoint, key, CHECKPOINT_EVERY_S)
+        state = ckpt.load(student, opt, g) if ctx.resume else Resumed()
+        with warnings.catch_warnings():  # fast-forwarding the schedule: no optimiser step is due
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            for _ in range(state.done):
+                schedule.step()
+        done, history, prior = state.done, state.history, state.seconds
         ctx.add_prior_seconds(prior)
         began = time.perf_counter()
         if done:  # per student: {architecture: steps done before this run}
@@ -229,7 +219,6 @@ class FedDF(OneShotMethod):
             ctx.restore_history(history)
         bar = ctx.progress(range(done + 1, p["steps"] + 1), desc=desc, unit="step", initial=done, total=p["steps"])
         with stop_deferred() as stop:
-            saved_at = time.monotonic()
             for step in bar:
                 idx = torch.randint(0, len(aux), (p["batch_size"],), generator=g)
                 student.train()
@@ -246,39 +235,10 @@ class FedDF(OneShotMethod):
                     history.append(acc)
                     ctx.log(step, accuracy=acc, kd_loss=float(loss.detach()))
                     bar.set_postfix(acc=f"{acc:.2f}")
-                if (got := stop()) or step == p["steps"] or time.monotonic() - saved_at >= CHECKPOINT_EVERY_S:
-                    self._save(checkpoint, key, student, opt, g, step, history, prior + time.perf_counter() - began)
-                    saved_at = time.monotonic()
+                if (got := stop()) or ckpt.due(final=step == p["steps"]):
+                    ckpt.save(student, opt, g, step, history, prior + time.perf_counter() - began)
                     if got:
                         raise KeyboardInterrupt  # leaves the block, which delivers the signal
         if bf16:  # hand the student back contiguous (as the uploads were built)
             student.to(memory_format=torch.contiguous_format)
         return prior
-
-    @staticmethod
-    def _save(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator,
-              step: int, history: list[float], seconds: float) -> None:
-        tensors = {f"student.{k}": v for k, v in student.state_dict().items()}
-        tensors |= optimizer_tensors(opt, "adam.") | {"rng.batches": g.get_state()}
-        Payload(tensors, {"key": key, "step": step, "history": history, "seconds": seconds}).write(path)
-
-    @staticmethod
-    def _resume(path: Path, key: str, student: nn.Module, opt: torch.optim.Optimizer,
-                schedule: torch.optim.lr_scheduler.LRScheduler, g: torch.Generator,
-                ctx: ServerContext) -> tuple[int, list[float], float]:
-        """Restore a saved distillation into the student, optimiser, schedule and batch generator;
-        returns the steps done, the evaluations so far and the wall seconds spent on them ((0, [], 0.0)
-        with nothing to resume; checkpoints written before the seconds were kept give 0.0)."""
-        saved = load_matching(path, key) if ctx.resume else None
-        if saved is None:
-            return 0, [], 0.0
-        t = saved.tensors
-        student.load_state_dict({k[len("student."):]: v for k, v in t.items() if k.startswith("student.")})
-        load_optimizer_tensors(opt, t, "adam.")
-        g.set_state(t["rng.batches"])
-        step = int(saved.meta["step"])
-        with warnings.catch_warnings():  # fast-forwarding the schedule: no optimiser step is due
-            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            for _ in range(step):
-                schedule.step()
-        return step, list(saved.meta["history"]), float(saved.meta.get("seconds", 0.0))

@@ -58,17 +58,23 @@ Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
 * Test accuracy is logged after every server epoch (epoch 0 = ``w_0``), which draws the
   knowledge-forgetting curve of Fig. 6; the headline model is the last epoch's, and ``<name>[init]``
   is ``w_0``. Generated images stay float tensors in memory (no uint8 round trip).
+* Checkpoints (ours; the public code has none): the server's training on the synthetic set, and the
+  ensemble-distillation initialisation, are resumable stages (:meth:`GenerativeMethod.train_stage`).
+  The synthetic set is not saved: a resumed run draws it again from the same decoders and seeds.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from hetfl.fl.aggregate import weighted_average
+from hetfl.fl.cache import uploads_digest
+from hetfl.fl.checkpoint import Resumed, StageCheckpoint
 from hetfl.fl.generative import (
     CVAETrain,
     FusionConfig,
@@ -113,7 +119,9 @@ def resolve_names(spec: Any, ids: list[int], key: str) -> dict[int, str]:
 
 class GenerativeMethod(OneShotMethod):
     """Common part of FedMHO and FedCVAE: validated CVAE/server settings, per-dataset defaults,
-    CVAE requests and decoder uploads."""
+    CVAE requests and decoder uploads, resumable training stages on the synthetic set."""
+
+    CHECKPOINT_EVERY_S: ClassVar[float] = 300.0  # a training stage saves its state this often (and at its end)
 
     def cvae_train(self, ctx: ServerContext) -> CVAETrain:
         epochs, lr = CVAE_DEFAULTS.get(ctx.dataset, OTHER_CVAE)
@@ -132,6 +140,42 @@ class GenerativeMethod(OneShotMethod):
 
     def generative_ids(self, ctx: ServerContext) -> list[int]:
         raise NotImplementedError
+
+    def train_stage(self, stage: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: FusionConfig,
+                    uploads: dict[int, Payload], ctx: ServerContext, teacher: torch.Tensor | None = None,
+                    tracked: bool = True, desc: str = "") -> list[float]:
+        """:func:`train_on_synthetic` as a resumable stage of the server (ours; the public codes have no
+        checkpoints): its state goes to ``checkpoint-<stage>.safetensors`` in the method's folder every
+        ``CHECKPOINT_EVERY_S`` seconds, after its last epoch and on SIGINT or SIGTERM, keyed by the
+        method's settings, the seed, the server model and the uploads' digest. The same run again goes
+        on from there; a ``tracked`` stage (evaluated and logged) then drops the rows logged after the
+        checkpoint and restores its earlier evaluations for best-over-epochs. The files go when the
+        method is done (:meth:`clear_stages`)."""
+        key = json.dumps({"method": self.name, "params": self.params, "seed": ctx.seed, "stage": stage,
+                          "server": ctx.server_arch, "lam": cfg.lam,
+                          "uploads": ctx.record.get("uploads_sha256") or uploads_digest(uploads)},
+                         sort_keys=True, default=str)
+        ckpt = StageCheckpoint(ctx.out_dir / f"checkpoint-{stage}.safetensors", key, self.CHECKPOINT_EVERY_S)
+        if not ctx.resume:
+            ckpt.clear()
+
+        def resumed(state: Resumed) -> None:
+            ctx.add_prior_seconds(state.seconds)
+            if state.done:
+                ctx.record.setdefault("resumed_from_epoch", {})[stage] = state.done
+            if tracked:
+                ctx.trim_log(state.done if state.done else -1)  # -1: a fresh start drops every old row
+                ctx.restore_history(state.history)
+
+        return train_on_synthetic(model, x, y, cfg, derive_seed(ctx.seed, self.name, stage), teacher=teacher,
+                                  evaluate=ctx.evaluate if tracked else None, log=ctx.log if tracked else None,
+                                  progress=ctx.progress, desc=desc or f"{self.name}: {stage}", checkpoint=ckpt,
+                                  on_resume=resumed)
+
+    @staticmethod
+    def clear_stages(ctx: ServerContext) -> None:
+        for path in ctx.out_dir.glob("checkpoint-*.safetensors"):
+            path.unlink()
 
     def cvae_names(self, ctx: ServerContext) -> dict[int, str]:
         return resolve_names(self.params["cvae"], self.generative_ids(ctx), f"{self.name}.cvae")
@@ -284,8 +328,8 @@ class FedMHO(GenerativeMethod):
         cfg = FusionConfig(epochs=epochs, batch_size=fusion.batch_size, lr=self.params["init_lr"], lam=0.0,
                            precision=fusion.precision, channels_last=fusion.channels_last)
         dummy = torch.zeros(len(x), dtype=torch.long, device=x.device)  # CE weight is 0: labels unused
-        train_on_synthetic(model, x, dummy, cfg, derive_seed(ctx.seed, self.name, "init"), teacher=logits,
-                           progress=ctx.progress, desc=f"{self.name}: ensemble-distillation init")
+        self.train_stage("init", model, x, dummy, cfg, uploads, ctx, teacher=logits, tracked=False,
+                         desc=f"{self.name}: ensemble-distillation init")
         return model
 
     def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
@@ -304,9 +348,9 @@ class FedMHO(GenerativeMethod):
             teacher = teacher_logits([init], x)
         if teacher is not None:
             ctx.record["teacher"] = teacher_stats(teacher, y, ctx.num_classes)
-        curve = train_on_synthetic(model, x, y, self.fusion(ctx, self.lam), derive_seed(ctx.seed, self.name, "fuse"),
-                                   teacher=teacher, evaluate=ctx.evaluate, log=ctx.log, progress=ctx.progress,
-                                   desc=f"{self.name}: knowledge fusion")
+        curve = self.train_stage("fuse", model, x, y, self.fusion(ctx, self.lam), uploads, ctx, teacher=teacher,
+                                 desc=f"{self.name}: knowledge fusion")
+        self.clear_stages(ctx)
         ctx.record["curve"] = curve
         ctx.record["init_accuracy"] = curve[0] if curve else None
         return {self.name: model, f"{self.name}[init]": init}
