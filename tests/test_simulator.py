@@ -338,6 +338,45 @@ def test_with_checkpoints_off_a_killed_client_leaves_nothing(tmp_path, tiny_conf
     assert not (tmp_path / "cache" / "partial").exists()
 
 
+def test_central_training_stopped_by_ctrl_c_resumes_to_the_same_model(tmp_path, tiny_config, monkeypatch):
+    """Centralised training (a long server stage at the paper's budgets) saves its step on Ctrl-C and
+    the same run again goes on from there: the uninterrupted run's model, one loss row per epoch, its
+    earlier seconds counted, no checkpoint left; a dataset's digest names its bytes."""
+    import signal
+
+    from hetfl.data.base import ImageDataset
+
+    tiny_config["methods"] = {"central": {"client": {"epochs": 3}}}
+    full = run(tiny_config, tmp_path / "full")["results"]["central"]
+    calls = []
+    original = ImageDataset.batch
+
+    def batch(self, index, device="cpu"):
+        calls.append(1)
+        if len(calls) == 7:  # epoch 2, step 2 of 5: held back until the step is done and saved
+            signal.raise_signal(signal.SIGINT)
+        return original(self, index, device)
+
+    monkeypatch.setattr(ImageDataset, "batch", batch)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_config, tmp_path / "run")
+    (saved,) = (tmp_path / "run" / "central").glob("checkpoint-central-*.safetensors")
+    assert (Payload.read_meta(saved)["epoch"], Payload.read_meta(saved)["step"]) == (1, 2)
+    monkeypatch.setattr(ImageDataset, "batch", original)
+    resumed = run(tiny_config, tmp_path / "run")["results"]["central"]
+    assert resumed["resumed_from_epoch"] == 1 and resumed["seconds"] > resumed["seconds_before_resume"] > 0
+    assert resumed["accuracy"] == full["accuracy"]
+    a = load_file(str(tmp_path / "run" / "central" / "central.safetensors"))
+    b = load_file(str(tmp_path / "full" / "central" / "central.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "central" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if "train_loss" in x] == [1, 2, 3]
+    assert not list((tmp_path / "run" / "central").glob("checkpoint-*"))
+    data = ImageDataset(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1]), 2, "d")
+    other = ImageDataset(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([1, 0]), 2, "d")
+    assert data.digest() == data.subset([0, 1]).digest() != other.digest()
+
+
 def test_cpu_bf16_units_read_the_flags_line():
     """The bf16 units come from /proc/cpuinfo's flags, in the order weakest first; none without the line."""
     from hetfl.engine.simulator import cpu_bf16_units

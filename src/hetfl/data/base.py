@@ -7,6 +7,7 @@ in ``[0, 1]`` on the fly. No per-epoch reloads, no DataLoader workers.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,13 @@ class ImageDataset:
     def subset(self, index: torch.Tensor | list[int]) -> ImageDataset:
         index = torch.as_tensor(index, dtype=torch.long)
         return ImageDataset(self.x[index], self.y[index], self.num_classes, self.name, self.class_names)
+
+    def digest(self) -> str:
+        """sha256 over the images' and labels' bytes (shapes included): equal digests, equal data."""
+        h = hashlib.sha256(f"{tuple(self.x.shape)} {tuple(self.y.shape)}\n".encode())
+        h.update(self.x.contiguous().numpy().tobytes())
+        h.update(self.y.to(torch.int64).contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def label_counts(self) -> torch.Tensor:
         return torch.bincount(self.y, minlength=self.num_classes)
