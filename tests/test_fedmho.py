@@ -530,6 +530,10 @@ def test_a_stage_checkpoint_of_another_run_or_model_is_ignored_with_a_warning(tm
         assert StageCheckpoint(tmp_path / "c.safetensors", "run A").load(
             other, torch.optim.Adam(other.parameters()), torch.Generator()) == Resumed()
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())  # nothing restored
+    Payload({"student.w": torch.zeros(1)}, {"key": "run A", "step": 3}).write(tmp_path / "c.safetensors")
+    with pytest.warns(UserWarning, match="an older format"):  # FedDF's files before this class
+        assert StageCheckpoint(tmp_path / "c.safetensors", "run A").load(
+            fresh, torch.optim.Adam(fresh.parameters()), torch.Generator()) == Resumed()
     (tmp_path / "c.safetensors").write_bytes(b"not a payload")
     with pytest.warns(UserWarning, match="not used"):
         assert StageCheckpoint(tmp_path / "c.safetensors", "run A").load(

@@ -87,10 +87,10 @@ class StageCheckpoint:
         t = saved.tensors
         weights = {k[len("model."):]: v for k, v in t.items() if k.startswith("model.")}
         problem = None
-        if {k: v.shape for k, v in weights.items()} != {k: v.shape for k, v in model.state_dict().items()}:
-            problem = "its model state has other names or shapes"
-        elif "rng.batches" not in t or not {"done", "history"} <= set(saved.meta):
+        if "rng.batches" not in t or not {"done", "history"} <= set(saved.meta):
             problem = "it lacks the loop's progress (an older format)"
+        elif {k: v.shape for k, v in weights.items()} != {k: v.shape for k, v in model.state_dict().items()}:
+            problem = "its model state has other names or shapes"
         if problem is not None:
             warnings.warn(f"{self.path} not used ({problem}); starting over", stacklevel=2)
             return Resumed()
