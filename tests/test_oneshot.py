@@ -392,6 +392,35 @@ def test_a_stop_signal_in_mid_epoch_saves_that_epoch_and_the_resume_gives_the_sa
     assert [x["step"] for x in rows] == [1, 2, 3, 4, -1]
 
 
+def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, monkeypatch, capsys):
+    """``hetfl status``: a data-free stage stopped in epoch 3 of 4 has logged 3 epochs, holds a
+    checkpoint of epoch 3 and is not finished; once resumed it is; a line cut short by a kill is
+    skipped; a folder that is not a run's is an error that names it."""
+    from hetfl.cli import main
+    from hetfl.status import run_status
+
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"dense": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "checkpoint_every": 10}}
+    stop_in_epoch_3(monkeypatch, lambda: signal.raise_signal(signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    with open(tmp_path / "run" / "dense" / "metrics.jsonl", "a") as f:
+        f.write('{"method": "dense", "step": 4, "accur')  # killed while writing
+    (row,) = run_status(tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "dense" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    accs = [(r["step"], r["accuracy"]) for r in rows]
+    assert (row["method"], row["finished"], row["logged"], row["total"], row["checkpoint"]) == ("dense", False, 3, 4, 3)
+    assert (row["last"], row["best"]) == (accs[-1][1], max(a for _, a in accs)) and row["seconds_per_step"] > 0
+    assert main(["status", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "dense" in out and "not finished" in out and "3/4" in out and " min" in out
+    Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    (row,) = run_status(tmp_path / "run")
+    assert (row["finished"], row["logged"], row["checkpoint"]) == (True, 4, 4)
+    assert main(["status", str(tmp_path)]) == 2
+    assert "not a run folder (no config.json)" in capsys.readouterr().err
+
+
 def test_checkpoints_come_every_checkpoint_every_epochs_or_seconds_and_the_seconds_stay_out_of_the_key(
         tmp_path, monkeypatch):
     """A stage killed without a signal loses at most ``checkpoint_every_s`` of work; changing that

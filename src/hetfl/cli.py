@@ -244,6 +244,13 @@ def cmd_archive_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from hetfl.status import run_status, status_table
+
+    print(status_table(run_status(Path(args.run))))
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import hetfl.methods  # noqa: F401
     from hetfl.fl.method import METHODS
@@ -380,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     arc.add_argument("--curve", default=None, help="curve file name (default <cell>-<method>-cpu.jsonl)")
     arc.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     arc.set_defaults(func=cmd_archive_run)
+
+    st = sub.add_parser("status", help="where a run stands: steps logged, last and best accuracy, the step "
+                        "its checkpoint holds and the time the rest takes, per method")
+    st.add_argument("run", help="the run's output folder")
+    st.set_defaults(func=cmd_status)
 
     lst = sub.add_parser("list", help="list methods, models, datasets and partition kinds")
     lst.set_defaults(func=cmd_list)

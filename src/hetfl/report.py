@@ -14,6 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hetfl.fl.payload import jsonl_rows  # noqa: E402
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
@@ -93,8 +95,7 @@ def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
 def read_curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
     if metrics_file.is_file():
-        for line in metrics_file.read_text().splitlines():
-            row = json.loads(line)
+        for row in jsonl_rows(metrics_file):
             if row.get("step", -1) >= 0 and row.get("accuracy") is not None:
                 curves[row["method"]].append((row["step"], row["accuracy"]))
     return curves

@@ -40,7 +40,7 @@ from hetfl.fl.method import (
     create_method,
     sample_clients,
 )
-from hetfl.fl.payload import Payload, PayloadError, json_safe
+from hetfl.fl.payload import Payload, PayloadError, json_safe, jsonl_rows
 from hetfl.fl.training import TrainCheckpoint, TrainConfig, bf16_native, evaluate
 from hetfl.host import flush_denormal_setting, flush_denormals, malloc_setting
 
@@ -173,8 +173,8 @@ class Simulator:
         run never duplicates rows."""
         path = self._metrics_file(method)
         if path.is_file():
-            rows = [r for r in path.read_text().splitlines() if 0 <= json.loads(r)["step"] <= keep_until]
-            path.write_text("".join(r + "\n" for r in rows))
+            rows = [r for r in jsonl_rows(path) if 0 <= r.get("step", -1) <= keep_until]  # a cut line goes too
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def _context(self, name: str, ledger: CommLedger, history: list[float], make_dir: bool = True) -> ServerContext:
         exp, cfg = self.exp, self.exp.cfg

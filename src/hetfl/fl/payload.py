@@ -110,6 +110,20 @@ def state_payload(module: torch.nn.Module, **meta: Any) -> Payload:
     return Payload({k: v.detach().clone().cpu() for k, v in module.state_dict().items()}, dict(meta))
 
 
+def jsonl_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file (``metrics.jsonl``), skipping blank lines and a line a kill cut
+    short while it was written (it fails to parse)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def json_safe(value: Any) -> Any:
     """Convert numpy/torch scalars and arrays into plain JSON types."""
     if isinstance(value, Mapping):

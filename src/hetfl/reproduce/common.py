@@ -237,8 +237,9 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
         raise ValueError(f"{target}: exists; give another curve name")
     if not logged_curves(metrics, (method,)):
         raise ValueError(f"{metrics}: no evaluated epoch of {method}")
-    lines = [line for line in metrics.read_text().splitlines()
-             if line.strip() and json.loads(line).get("method") == method]
+    from hetfl.fl.payload import jsonl_rows
+
+    lines = [json.dumps(row) for row in jsonl_rows(metrics) if row.get("method") == method]
     manifest_file = folder / "runs.json"
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {"about": "", "runs": []}
     known = [r["cell"] for r in manifest["runs"] if r["cell"] == short or r["cell"].startswith(short + ",")]
