@@ -457,7 +457,9 @@ def test_every_method_runs_from_a_config_and_writes_summary(tiny_config, tmp_pat
     assert results["fedmho"]["synthetic_used"] == sum(keep_count(30, 0.8) for _ in range(4))
 
 
-def test_an_interrupted_server_stage_resumes_to_the_same_model(tiny_config, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_an_interrupted_server_stage_resumes_to_the_same_model(tiny_config, tmp_path, monkeypatch, capsys,
+                                                               channels_last):
     """FedMHO's and FedCVAE's training on the synthetic set save their state: a run stopped by Ctrl-C in
     epoch 3 (held back until that epoch is done and saved) or by an error in epoch 3 (saved after every
     epoch) goes on from there and ends with the uninterrupted run's model, accuracy, best accuracy and
@@ -467,7 +469,8 @@ def test_an_interrupted_server_stage_resumes_to_the_same_model(tiny_config, tmp_
 
     tiny_config.update(clients=4)
     tiny_config["client"]["epochs"] = 2
-    fast = {"cvae_epochs": 2, "cvae_lr": 1e-3, "num_samples": 120, "epochs": 4, "lr": 1e-3}
+    fast = {"cvae_epochs": 2, "cvae_lr": 1e-3, "num_samples": 120, "epochs": 4, "lr": 1e-3,
+            "channels_last": channels_last}  # NHWC weights and Adam moments saved and restored too
     tiny_config["methods"] = {"fedmho_md": fast}
     full = Simulator(prepare(validate(tiny_config)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
     original = generative.train_mode
