@@ -417,8 +417,15 @@ def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, m
     Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     (row,) = run_status(tmp_path / "run")
     assert (row["finished"], row["logged"], row["checkpoint"]) == (True, 4, 4)
-    assert main(["status", str(tmp_path)]) == 2
-    assert "not a run folder (no config.json)" in capsys.readouterr().err
+    assert main(["status", str(tmp_path)]) == 0  # a folder of runs: each run under its name
+    assert f"{tmp_path / 'run'}:" not in capsys.readouterr().out  # one run: no heading
+    (tmp_path / "run2").mkdir()
+    (tmp_path / "run2" / "config.json").write_text((tmp_path / "run" / "config.json").read_text())
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'run'}:" in out and f"{tmp_path / 'run2'}:" in out and "no method has logged" in out
+    assert main(["status", str(tmp_path / "cache")]) == 2
+    assert "not a run folder (no config.json) and no run folder in it" in capsys.readouterr().err
 
 
 def test_checkpoints_come_every_checkpoint_every_epochs_or_seconds_and_the_seconds_stay_out_of_the_key(

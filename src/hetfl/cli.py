@@ -245,9 +245,13 @@ def cmd_archive_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from hetfl.status import run_status, status_table
+    from hetfl.status import run_folders, run_status, status_table
 
-    print(status_table(run_status(Path(args.run))))
+    runs = run_folders(Path(args.run))
+    for i, run in enumerate(runs):
+        if len(runs) > 1:
+            print(("\n" if i else "") + f"{run}:")
+        print(status_table(run_status(run)))
     return 0
 
 
@@ -390,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="where a run stands: steps logged, last and best accuracy, the step "
                         "its checkpoint holds and the time the rest takes, per method")
-    st.add_argument("run", help="the run's output folder")
+    st.add_argument("run", help="a run's output folder, or a folder of runs (e.g. a reproduce --out)")
     st.set_defaults(func=cmd_status)
 
     lst = sub.add_parser("list", help="list methods, models, datasets and partition kinds")

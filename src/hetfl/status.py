@@ -57,6 +57,18 @@ def _total(config: dict[str, Any], method: str) -> int | None:
     return None
 
 
+def run_folders(path: Path) -> list[Path]:
+    """``path`` when it is a run's folder (it has a ``config.json``), else the run folders under it
+    (a reproduction's output: one per cell), sorted; ValueError when there is none."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return [path]
+    runs = sorted(p.parent for p in path.glob("*/config.json"))
+    if not runs:
+        raise ValueError(f"{path}: not a run folder (no config.json) and no run folder in it")
+    return runs
+
+
 def run_status(run_dir: Path) -> list[dict[str, Any]]:
     """One row per method folder with a ``metrics.jsonl`` (module docstring); ValueError for a folder
     that is not a run's."""
