@@ -59,8 +59,8 @@ class ImageDataset:
     def digest(self) -> str:
         """sha256 over the images' and labels' bytes (shapes included): equal digests, equal data."""
         h = hashlib.sha256(f"{tuple(self.x.shape)} {tuple(self.y.shape)}\n".encode())
-        h.update(self.x.contiguous().numpy().tobytes())
-        h.update(self.y.to(torch.int64).contiguous().numpy().tobytes())
+        h.update(self.x.cpu().contiguous().numpy().tobytes())
+        h.update(self.y.cpu().to(torch.int64).contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def label_counts(self) -> torch.Tensor:
