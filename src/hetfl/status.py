@@ -42,14 +42,14 @@ def _saved_at(folder: Path) -> tuple[int | None, float | None]:
 def _total(config: dict[str, Any], method: str) -> int | None:
     """The method's length from the run's config, its defaults filled in (None where unknown)."""
     import hetfl.methods  # noqa: F401  (registers the methods)
-    from hetfl.fl.method import METHODS
+    from hetfl.fl.method import create_method
 
     params = (config.get("methods") or {}).get(method)
-    if method not in METHODS or not isinstance(params, dict):
+    if not isinstance(params, dict):
         return None
     try:
-        resolved = METHODS[method](params).params
-    except (ValueError, TypeError):
+        resolved = create_method(method, params).params
+    except (ValueError, TypeError):  # an unknown method or settings it refuses
         return None
     for key in TOTAL_KEYS:
         if isinstance(resolved.get(key), int):
