@@ -408,6 +408,7 @@ def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, m
         f.write('{"method": "dense", "step": 4, "accur')  # killed while writing
     (row,) = run_status(tmp_path / "run")
     rows = [json.loads(x) for x in (tmp_path / "run" / "dense" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert all(isinstance(r["logged_at"], float) for r in rows)
     accs = [(r["step"], r["accuracy"]) for r in rows]
     assert (row["method"], row["finished"], row["logged"], row["total"], row["checkpoint"]) == ("dense", False, 3, 4, 3)
     assert (row["last"], row["best"]) == (accs[-1][1], max(a for _, a in accs)) and row["seconds_per_step"] > 0
@@ -426,6 +427,37 @@ def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, m
     assert f"{tmp_path / 'run'}:" in out and f"{tmp_path / 'run2'}:" in out and "no method has logged" in out
     assert main(["status", str(tmp_path / "cache")]) == 2
     assert "not a run folder (no config.json) and no run folder in it" in capsys.readouterr().err
+
+
+def test_status_prices_the_rest_at_the_recent_pace_and_its_growth(tmp_path):
+    """Steps that grow slower (DENSE's pool) are priced by the recent pace and its growth, not by the
+    mean pace so far; the gap of a resume and a paused step do not move it; a sum step by step of the
+    same line gives the same seconds left; rows stamped ``logged_at`` come from the simulator."""
+    from hetfl.status import recent_pace, seconds_left, status_table, step_seconds
+
+    def cost(s: int) -> float:
+        return 10.0 + 0.5 * s  # seconds of step s
+
+    t, rows = 1000.0, []
+    for s in range(1, 61):
+        t += cost(s) + (5000.0 if s == 41 else 0.0) + (900.0 if s == 50 else 0.0)  # a resume gap, a pause
+        rows += [{"step": s, "kd_loss": 1.0, "logged_at": t - 1.0}, {"step": s, "accuracy": 9.0, "logged_at": t}]
+    pairs = step_seconds(rows)
+    assert [s for s, _ in pairs] == list(range(2, 61)) and pairs[0][1] == pytest.approx(cost(2))
+    now, growth = recent_pace(pairs)
+    assert (now, growth) == pytest.approx((cost(60), 0.5))
+    assert seconds_left((cost(50), 0.5), 50, 200) == pytest.approx(sum(cost(s) for s in range(51, 201)))
+    assert seconds_left((cost(50), 0.5), 200, 200) == 0
+    assert recent_pace(pairs[:3]) is None  # too few steps to say
+    assert recent_pace([(s, 20.0 - 0.1 * s) for s in range(1, 30)])[1] == 0  # never sloping down
+    assert step_seconds([{"step": 1, "logged_at": 5.0}, {"step": 3, "logged_at": 9.0}]) == []  # not consecutive
+    table = status_table([{"method": "dense", "finished": False, "logged": 60, "total": 200, "last": 9.0,
+                           "best": 9.0, "best_step": 1, "checkpoint": 50, "seconds_per_step": now,
+                           "pace_growth": growth}])
+    left = sum(cost(s) for s in range(51, 201)) / 60
+    assert f"{left:.0f} min" in table  # from the checkpoint, at the pace there
+    mean_only = (10.0 + 0.5 * 25.5)  # the mean pace to epoch 50 would promise this much less
+    assert mean_only * 150 / 60 < left - 30
 
 
 def test_checkpoints_come_every_checkpoint_every_epochs_or_seconds_and_the_seconds_stay_out_of_the_key(

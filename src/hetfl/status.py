@@ -2,7 +2,14 @@
 accuracy, the step its checkpoint holds and the seconds per step so far, read from the files a run
 writes as it goes (``<method>/metrics.jsonl``, the checkpoints, ``summary.json`` once it is done).
 For a server stage of hours that a session's end or a device deadline stopped: what a resume will
-redo, and about how long the rest takes."""
+redo, and about how long the rest takes.
+
+The pace: rows stamped ``logged_at`` (every row the simulator writes) give each step's wall seconds
+(the time between the last rows of consecutive steps). A robust line through the last :data:`RECENT`
+steps' seconds (Theil-Sen, never sloping down) prices each step left: DENSE's and Co-Boosting's
+epochs grow slower as their pool grows, so the mean pace so far would promise too soon an end. The
+medians ignore the gap of a resume or a paused process. Rows without
+``logged_at`` (older runs) fall back to the mean pace to the checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +20,41 @@ from typing import Any
 from hetfl.fl.payload import Payload, PayloadError, jsonl_rows
 
 TOTAL_KEYS = ("epochs", "steps", "rounds")  # what a method's length is called in its params
+RECENT = 20  # steps whose wall seconds price the rest
+
+
+def step_seconds(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """``(step, wall seconds)`` for each step whose previous step was logged just before it, from
+    the last ``logged_at`` of each step (rows of steps > 0, in file order)."""
+    last: dict[int, float] = {}
+    for r in rows:
+        if isinstance(r.get("logged_at"), (int, float)):
+            last[r["step"]] = float(r["logged_at"])
+    return [(s, last[s] - last[s - 1]) for s in sorted(last) if s - 1 in last and last[s] >= last[s - 1]]
+
+
+def recent_pace(seconds: list[tuple[int, float]], recent: int = RECENT) -> tuple[float, float] | None:
+    """``(seconds per step at the last step, growth in seconds per step per step >= 0)``: a
+    Theil-Sen line (the median of the pairwise slopes, then the median intercept) through the last
+    ``recent`` of :func:`step_seconds`'s pairs, robust to a few outliers (a resume's gap, a paused
+    process); None with fewer than 4."""
+    import statistics
+
+    tail = seconds[-recent:]
+    if len(tail) < 4:
+        return None
+    slopes = [(tb - ta) / (sb - sa) for i, (sa, ta) in enumerate(tail) for sb, tb in tail[i + 1:]]
+    slope = max(0.0, statistics.median(slopes))
+    intercept = statistics.median(t - slope * s for s, t in tail)
+    return intercept + slope * tail[-1][0], slope
+
+
+def seconds_left(pace: tuple[float, float], at: int, total: int) -> float:
+    """The seconds of steps ``at + 1 .. total`` at ``pace`` (:func:`recent_pace`) measured at step
+    ``at``: an arithmetic series."""
+    n = max(0, total - at)
+    now, slope = pace
+    return n * now + slope * n * (n + 1) / 2
 
 
 def _saved_at(folder: Path) -> tuple[int | None, float | None]:
@@ -85,16 +127,20 @@ def run_status(run_dir: Path) -> list[dict[str, Any]]:
         evals = [(r["step"], float(r["accuracy"])) for r in rows if "accuracy" in r]
         saved, per_step = _saved_at(folder)
         best = max(evals, key=lambda e: e[1]) if evals else None
-        out.append({"method": method, "finished": method in finished,
-                    "logged": max((r["step"] for r in rows), default=0), "total": _total(config, method),
-                    "last": evals[-1][1] if evals else None, "best": best[1] if best else None,
-                    "best_step": best[0] if best else None, "checkpoint": saved, "seconds_per_step": per_step})
+        logged = max((r["step"] for r in rows), default=0)
+        pace = recent_pace(step_seconds(rows))
+        out.append({"method": method, "finished": method in finished, "logged": logged,
+                    "total": _total(config, method), "last": evals[-1][1] if evals else None,
+                    "best": best[1] if best else None, "best_step": best[0] if best else None,
+                    "checkpoint": saved, "seconds_per_step": pace[0] if pace else per_step,
+                    "pace_growth": pace[1] if pace else None})
     return out
 
 
 def status_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table of :func:`run_status`'s rows, with the time the rest takes at the mean pace
-    to the checkpoint (a lower bound where steps grow slower, as the data-free loop's do)."""
+    """A fixed-width table of :func:`run_status`'s rows, with the time the steps after the checkpoint
+    take: at the recent pace and its growth where the rows are stamped (module docstring), else at
+    the mean pace to the checkpoint (a lower bound where steps grow slower, as the data-free loop's do)."""
     if not rows:
         return "no method has logged a step yet"
     w = max([14, *(len(r["method"]) for r in rows)])
@@ -109,7 +155,9 @@ def status_table(rows: list[dict[str, Any]]) -> str:
         pace = r["seconds_per_step"]
         rest = "-"
         if pace and total and r["checkpoint"] is not None and not r["finished"]:
-            rest = f"{pace * (total - r['checkpoint']) / 60:.0f} min"
+            growth = r.get("pace_growth") or 0.0  # the pace was measured at the last logged step
+            left = seconds_left((pace - growth * max(0, r["logged"] - r["checkpoint"]), growth), r["checkpoint"], total)
+            rest = f"{left / 60:.0f} min"
         lines.append(f"{r['method']:<{w}} {'finished' if r['finished'] else 'not finished':<12} {logged:>11} "
                      f"{last:>7} {best:>15} {r['checkpoint'] if r['checkpoint'] is not None else '-':>10} "
                      f"{f'{pace:.1f}' if pace else '-':>7} {rest:>8}")

@@ -165,8 +165,12 @@ class Simulator:
         return self.out_dir / method / "metrics.jsonl"
 
     def _log(self, method: str, step: int, **metrics: Any) -> None:
+        """Append one row to the method's metrics.jsonl, stamped ``logged_at`` (Unix seconds, from which
+        ``hetfl status`` reads the recent pace per step)."""
+        row = {"method": method, "step": step, **metrics}
+        row.setdefault("logged_at", round(time.time(), 2))
         with open(self._metrics_file(method), "a") as f:
-            f.write(json.dumps(json_safe({"method": method, "step": step, **metrics})) + "\n")
+            f.write(json.dumps(json_safe(row)) + "\n")
 
     def _trim_metrics(self, method: str, keep_until: int) -> None:
         """Drop rows after step ``keep_until`` (all rows when it is -1): a re-run or a resumed
