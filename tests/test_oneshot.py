@@ -80,7 +80,12 @@ def test_bn_loss_is_zero_exactly_when_batch_matches_stored_statistics():
     bn.clear()
     model(x * 2)
     assert float(bn.per_model()[0].detach()) > 0.1
+    bn.clear()
+    bn.recording = False  # forwards outside the generator's loss (Co-Boosting's ODS): nothing recorded
+    out = model(x * 2)
+    assert all(not v for v in bn.values) and float(bn.per_model().abs().sum()) == 0
     bn.remove()
+    assert torch.equal(out, model(x * 2))  # the same output with the hooks on, off or gone
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

@@ -132,6 +132,7 @@ class BNStatsLoss:
 
     def __init__(self, models: list[nn.Module]) -> None:
         self.values: list[list[torch.Tensor]] = [[] for _ in models]
+        self.recording = True  # False: the hooks do nothing (forwards whose statistics no loss uses)
         self.handles = []
         for k, model in enumerate(models):
             for module in model.modules():
@@ -140,6 +141,8 @@ class BNStatsLoss:
 
     def _hook(self, k: int):
         def hook(module: nn.BatchNorm2d, inputs: tuple[torch.Tensor], _out: torch.Tensor) -> None:
+            if not self.recording:
+                return
             mean, var = ChannelMeanVar.apply(inputs[0])
             self.values[k].append(torch.linalg.vector_norm(mean - module.running_mean)
                                   + torch.linalg.vector_norm(var - module.running_var))
@@ -270,10 +273,16 @@ class DataFreeDistiller:
         params = list(self.generator.parameters()) + ([z] if z is not None else [])
         return torch.optim.Adam(params, lr=self.cfg.generator_lr, betas=(0.5, 0.999))
 
-    def teacher_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(m, b, c) logits of every client model on ``x`` (BN hooks record their statistics)."""
+    def teacher_logits(self, x: torch.Tensor, record_stats: bool = True) -> torch.Tensor:
+        """(m, b, c) logits of every client model on ``x``; with ``record_stats`` the BN hooks
+        record their statistics for :meth:`BNStatsLoss.per_model` (off: the same logits without
+        the hooks' passes over every BatchNorm input, for forwards outside the generator's loss)."""
         self.bn.clear()
-        return torch.stack([t(x).float() for t in self.teachers])
+        self.bn.recording = record_stats
+        try:
+            return torch.stack([t(x).float() for t in self.teachers])
+        finally:
+            self.bn.recording = True
 
     def synthesize(self, epoch: int) -> list[Batch]:
         """Train the generator for T_G steps; return the kept (images, labels, client logits)."""
