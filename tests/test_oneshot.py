@@ -246,6 +246,41 @@ def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
     assert res["feddf"]["teacher_seconds"] >= 0 and res["feddf"]["distill_seconds"] >= 0  # the two stages
     w = res["coboosting"]["ensemble_weights"]
     assert len(w) == 3 and all(0 <= v <= 1 for v in w)
+    # each result records the settings it ran with, defaults filled in: Co-Boosting clips as its code does
+    assert res["coboosting"]["params"]["grad_clip"] == res["coboosting"]["params"]["generator_grad_clip"] == 10
+    assert res["dense"]["params"]["grad_clip"] == res["dense"]["params"]["generator_grad_clip"] == 0
+    assert res["dense"]["params"]["epochs"] == 2 and res["fedavg"]["params"] == {"rounds": 1, "sample_ratio": 1.0}
+
+
+def test_generator_grad_clip_clips_the_generators_weights_every_step_and_not_z(tmp_path, monkeypatch):
+    """``generator_grad_clip`` (Co-Boosting's code: 10) clips the norm of the generator's weight
+    gradients before each Adam step; z, which Co-Boosting also trains, is left out; off at 0."""
+    from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller
+
+    calls: list[tuple[int, float, bool]] = []
+    original = torch.nn.utils.clip_grad_norm_
+
+    def spy(parameters, max_norm, *args, **kwargs):
+        params = list(parameters)
+        calls.append((len(params), max_norm, any(p.shape == (16, 256) for p in params)))
+        return original(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    cfg = json.loads(json.dumps(SMOKE))
+    cfg["methods"] = {"coboosting": {"epochs": 2, "generator_steps": 3, "batch_size": 16, "grad_clip": 0}}
+    built: list[DataFreeDistiller] = []
+    init = DataFreeDistiller.__init__
+    monkeypatch.setattr(DataFreeDistiller, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), built.append(self))[0])
+    Simulator(prepare(validate(cfg)), tmp_path / "a", tmp_path / "cache", quiet=True).run()
+    n_gen = len(list(built[0].generator.parameters()))
+    assert calls == [(n_gen, 10.0, False)] * 6  # 2 epochs x 3 steps, the generator's weights only (z is 16 x 256)
+    calls.clear()
+    cfg["methods"]["coboosting"]["generator_grad_clip"] = 0
+    Simulator(prepare(validate(cfg)), tmp_path / "b", tmp_path / "cache", quiet=True).run()
+    assert calls == []
+    with pytest.raises(ValueError, match="generator_grad_clip must be >= 0"):
+        DataFreeConfig(generator_grad_clip=-1)
 
 
 def test_data_free_methods_take_heterogeneous_clients_and_ot_refuses_them(tmp_path):
@@ -742,6 +777,8 @@ def test_config_key_leaves_later_keys_out_at_their_default():
     from hetfl.fl.datafree import DataFreeConfig, config_key
 
     assert "grad_clip" not in json.loads(config_key(DataFreeConfig()))  # keys of older checkpoints unchanged
+    assert "generator_grad_clip" not in json.loads(config_key(DataFreeConfig()))
+    assert json.loads(config_key(DataFreeConfig(generator_grad_clip=10.0)))["generator_grad_clip"] == 10.0
     assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
     assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
 

@@ -929,8 +929,10 @@ def test_standing_table_gives_each_cell_the_variant_the_best_baseline_per_budget
     assert len(rows) == 10
     # best baseline = highest mean over seeds (Co-Boosting 46 over FedAvg 42, though FedAvg wins seed 1);
     # the gap to the paper is taken at the budget where ours is highest
-    assert rows[("| MNIST", "α=0.1")] == ("| MNIST | α=0.1 | 59.97 | 25.00 n=2 | **62.00 n=2** | 46.00 Co-Boosting | "
+    # (these Co-Boosting results have no ``params``: they ran its older defaults, marked †, with a footnote)
+    assert rows[("| MNIST", "α=0.1")] == ("| MNIST | α=0.1 | 59.97 | 25.00 n=2 | **62.00 n=2** | 46.00 Co-Boosting † | "
                                          "**70.00 n=1** | 40.00 FedAvg | +10.03 (`reduced-t60`) |")
+    assert lines[-1].startswith("† Co-Boosting without its code's gradient clipping")
     assert rows[("| MNIST", "α=0.5")] == \
         "| MNIST | α=0.5 | 88.75 | - | - | - | 80.00 n=1 | none run | -8.75 (`reduced-t60`) |"
     assert rows[("| MNIST", "α=0.3")] == "| MNIST | α=0.3 | 85.16 | - | - | - | - | - | - |"
@@ -939,7 +941,7 @@ def test_standing_table_gives_each_cell_the_variant_the_best_baseline_per_budget
     assert rows["mnist", "0.1"]["budgets"]["reduced"]["ours"] == [60.0, 64.0]  # per seed, for the error bars
     assert rows["mnist", "0.1"]["budgets"]["reduced"]["best"] == ("coboosting", 46.0)
     assert rows["mnist", "0.1"]["specified"] == [30.0, 20.0]
-    assert rows["mnist", "0.3"]["budgets"]["reduced"] == {"ours": [], "best": None}  # no variant run
+    assert rows["mnist", "0.3"]["budgets"]["reduced"] == {"ours": [], "best": None, "best_mark": ""}  # no variant run
     assert "paper_budget" not in rows["mnist", "0.1"]  # no paper-budget cells: no such columns
     gpu = {"config": paper.cell_config("mnist", "0.1", 0, "paper"),
            "results": {m: {"accuracy": a - 1, "best_accuracy": a}
@@ -1653,3 +1655,31 @@ def test_curve_legend_labels_wrap_at_their_width():
     assert label.startswith("DENSE, stopped") and label.replace("\n", " ") == f"DENSE, {row['run']}"
     assert label.count("\n") == 1 and all(len(line) <= 100 for line in label.splitlines())
     assert "\n" not in paper._run_label({"method": "dense", "run": "200 epochs (H200)"})
+
+
+def test_results_of_older_defaults_are_marked_in_the_tables():
+    """Co-Boosting's results from before its gradient clips (no ``params``, or params without them)
+    are marked † in the report's tables, with one footnote; results since are not."""
+    from hetfl.reproduce import common
+    from hetfl.reproduce import fedhydra as paper
+
+    old, new = {"accuracy": 30.0, "best_accuracy": 40.0}, {"accuracy": 31.0, "best_accuracy": 41.0,
+                                                           "params": {"grad_clip": 10.0, "generator_grad_clip": 10.0}}
+    off = {**new, "params": {"grad_clip": 0.0, "generator_grad_clip": 10.0}}
+    assert common.older_defaults("coboosting", old) and common.older_defaults("coboosting", off)
+    assert not common.older_defaults("coboosting", new) and not common.older_defaults("dense", old)
+    assert common.older_mark("coboosting", [old, old]) == " †"
+    assert common.older_mark("coboosting", [old, new]) == " † 1 of 2" and common.older_mark("coboosting", [new]) == ""
+
+    def cell(setting: str, seed: int, co: dict) -> dict:
+        part = {"kind": "2c/c"} if setting == "2c/c" else {"kind": "dirichlet", "alpha": float(setting), "min_size": 10}
+        return {"config": {"dataset": "mnist", "clients": 5, "seed": seed, "partition": part, "methods": {}},
+                "results": {"dense": {"accuracy": 20.0, "best_accuracy": 25.0}, "coboosting": co}}
+
+    lines = paper._table([cell("0.5", 0, old), cell("0.5", 1, new), cell("2c/c", 0, new)], "mnist",
+                         ("dense", "coboosting"))
+    co_row = next(x for x in lines if x.startswith("| Co-Boosting"))
+    assert "n=2 † 1 of 2" in co_row and co_row.count("†") == 1  # 2c/c: the clipped run only
+    assert "†" not in next(x for x in lines if x.startswith("| DENSE"))
+    assert lines[-1].startswith("† Co-Boosting without its code's gradient clipping")
+    assert not any("†" in x for x in paper._table([cell("0.5", 0, new)], "mnist", ("dense", "coboosting")))

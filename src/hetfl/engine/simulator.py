@@ -465,6 +465,7 @@ class Simulator:
             "bytes_down": ledger.total("down"),
             "per_class": final["per_class"],
             **({"models": {k: r["accuracy"] for k, r in reports.items()}} if len(models) > 1 else {}),
+            "params": method.params,  # the settings it ran with, defaults filled in (they change between versions)
             **ctx.record,
         }
         self._log(name, -1, final=True, accuracy=final["accuracy"])

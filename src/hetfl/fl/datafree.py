@@ -12,7 +12,8 @@ evaluation and metric logging through the :class:`~hetfl.fl.method.ServerContext
 checkpoint after every ``checkpoint_every`` epochs or ``checkpoint_every_s`` seconds, whichever comes
 first, so an interrupted server stage resumes. Each
 epoch logs the mean KD loss and ``kd_grad_max``, the largest gradient norm of the student's KD steps
-(before the optional ``grad_clip``, which is in none of the papers): a student that collapses to one
+(before the optional ``grad_clip``, which Co-Boosting's code sets to 10 and DENSE's and FedHydra's
+do not use): a student that collapses to one
 class shows as a drop of that norm to the last layer's ~1.6 (measured at FedHydra's paper budget,
 docs/results/fedhydra-notes.md). It also logs ``dead_units``, the fraction of the student's ReLU
 channels that output zero on every sample of the epoch's last KD batch (:class:`DeadUnits`; a layer
@@ -183,7 +184,8 @@ class DataFreeConfig:
     precision: str = "fp32"  # fp32 | bf16 autocast for the generator, teacher and student forwards of synthesis
     channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
-    grad_clip: float = 0.0  # clip the student's gradient norm in each KD step (0: off; in none of the papers)
+    grad_clip: float = 0.0  # clip the student's gradient norm in each KD step (0: off; Co-Boosting's code: 10)
+    generator_grad_clip: float = 0.0  # clip the generator's gradient norm in each step (0: off; Co-Boosting's code: 10)
     eval_every: int = 1
     checkpoint_every: int = 10  # epochs between checkpoints
     checkpoint_every_s: float = 600.0  # ... or seconds, whichever comes first (0: after every epoch)
@@ -191,8 +193,9 @@ class DataFreeConfig:
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.generator_steps < 1 or self.batch_size < 2:
             raise ValueError("epochs, generator_steps >= 1 and batch_size >= 2 are required")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0 (0: off), got {self.grad_clip}")
+        if self.grad_clip < 0 or self.generator_grad_clip < 0:
+            raise ValueError(f"grad_clip and generator_grad_clip must be >= 0 (0: off), "
+                             f"got {self.grad_clip} and {self.generator_grad_clip}")
         if self.checkpoint_every < 1 or not self.checkpoint_every_s >= 0:
             raise ValueError(f"checkpoint_every must be >= 1 and checkpoint_every_s >= 0 (0: after every epoch), "
                              f"got {self.checkpoint_every} and {self.checkpoint_every_s}")
@@ -311,6 +314,8 @@ class DataFreeDistiller:
                 loss = self.recipe.generator_loss(P, s, y, self.bn.per_model(), cfg)
                 self.gen_opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if cfg.generator_grad_clip > 0:  # the generator's weights only, not z (Co-Boosting's code)
+                    torch.nn.utils.clip_grad_norm_(self.generator.parameters(), cfg.generator_grad_clip)
                 self.gen_opt.step()
                 kept.append((x.detach(), logits.detach(), loss.detach()))  # no host-device sync per step
         if self.recipe.keep == "best":
@@ -489,7 +494,8 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return (x.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()  # one pool layout whatever G's
 
 
-LATER_KEYS = {"grad_clip": 0.0}  # keys added after checkpoints were written: left out of the key at their default
+# keys added after checkpoints were written: left out of the key at their default
+LATER_KEYS = {"grad_clip": 0.0, "generator_grad_clip": 0.0}
 NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model (added after checkpoints)
 
 

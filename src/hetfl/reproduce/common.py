@@ -355,6 +355,40 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+# Methods whose defaults changed after results were archived: the settings since, and what the
+# mark on a result that ran the older ones says. A result ran them when it has no ``params`` (recorded
+# since the change) or its params differ on these keys.
+CHANGED_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
+    "coboosting": ({"grad_clip": 10.0, "generator_grad_clip": 10.0},
+                   "Co-Boosting without its code's gradient clipping (student and generator at norm 10), "
+                   "the default before the fifty-ninth session; the notes say what it changes"),
+}
+OLDER_MARK = "†"
+
+
+def older_defaults(method: str, result: dict[str, Any]) -> bool:
+    """Whether ``result`` (a method's entry in a summary) ran ``method``'s defaults of before
+    :data:`CHANGED_DEFAULTS`."""
+    if method not in CHANGED_DEFAULTS:
+        return False
+    params = result.get("params")
+    return not isinstance(params, dict) or any(params.get(k) != v for k, v in CHANGED_DEFAULTS[method][0].items())
+
+
+def older_mark(method: str, runs: list[dict[str, Any]]) -> str:
+    """`` †`` where every run of ``runs`` ran the older defaults, `` † k of n`` where some did."""
+    older = sum(older_defaults(method, r) for r in runs)
+    if not older:
+        return ""
+    return f" {OLDER_MARK}" if older == len(runs) else f" {OLDER_MARK} {older} of {len(runs)}"
+
+
+def older_note(methods: Iterable[str], cells: list[dict[str, Any]]) -> list[str]:
+    """The footnote lines for the marks :func:`older_mark` puts in a table of ``cells``."""
+    marked = [m for m in methods if any(older_defaults(m, s["results"][m]) for s in cells if m in s["results"])]
+    return ["", *(f"{OLDER_MARK} {CHANGED_DEFAULTS[m][1]}." for m in marked)] if marked else []
+
+
 def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: Iterable[str], also: str = "") -> None:
     """A :class:`hetfl.config.ConfigError` naming the command-line ``option``, its unknown values and
     the valid ones (``also``: a further accepted form, e.g. " (or none)")."""

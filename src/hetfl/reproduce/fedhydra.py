@@ -218,9 +218,10 @@ def _table(main: list[dict[str, Any]], dataset: str, methods: tuple[str, ...]) -
             paper = PAPER[dataset].get(method, [None] * 5)[i]
             carried = sorted({r["carried_from"] for r in runs if "carried_from" in r})
             mark = f" from `{'`, `'.join(carried)}`" if carried else ""
+            mark += common.older_mark(method, runs)
             row.append(f"{_ours(runs)}{mark} | {f'{paper:.2f}' if paper is not None else '-'}")
         lines.append("| " + " | ".join(row) + " |")
-    return lines
+    return lines + common.older_note(methods, main)
 
 
 def _minutes(main: list[dict[str, Any]]) -> list[str]:
@@ -589,7 +590,8 @@ def _ours_and_best(cells: list[dict[str, Any]], dataset: str, setting: str) -> d
     over the main ``cells`` of one dataset and setting where :data:`VARIANT` ran."""
     runs = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == setting and VARIANT in s["results"]]
     _, best = _variant_and_best_baseline(runs)
-    return {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best}
+    mark = common.older_mark(best[0], [s["results"][best[0]] for s in runs]) if best else ""
+    return {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best, "best_mark": mark}
 
 
 def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
@@ -626,9 +628,12 @@ def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
         spec_text = f"{statistics.fmean(spec):.2f} n={len(spec)}" if spec else "-"
         lines.append(f"| {dataset.upper()} | {_label(setting)} | {row['paper']:.2f} | {spec_text} | "
                      + " | ".join(cols) + f" | {gap} |")
+    cells = [c for row in rows.values() for c in [*row["budgets"].values(), row.get("paper_budget", {})]]
+    marked = sorted({c["best"][0] for c in cells if c.get("best_mark")})
+    notes = ["", *(f"{common.OLDER_MARK} {common.CHANGED_DEFAULTS[m][1]}." for m in marked)] if marked else []
     return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
                       STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
-                      "", *lines])
+                      "", *lines, *notes])
 
 
 def _ours_columns(cell: dict[str, Any]) -> str:
@@ -638,7 +643,7 @@ def _ours_columns(cell: dict[str, Any]) -> str:
     mean, best = statistics.fmean(cell["ours"]), cell["best"]
     text = f"{mean:.2f} n={len(cell['ours'])}"
     return (f"{f'**{text}**' if best is not None and mean > best[1] else text} | "
-            + (f"{best[1]:.2f} {LABELS[best[0]]}" if best else "none run"))
+            + (f"{best[1]:.2f} {LABELS[best[0]]}{cell.get('best_mark', '')}" if best else "none run"))
 
 
 def standing_figure_path(path: Path) -> Path:

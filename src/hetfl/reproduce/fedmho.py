@@ -199,7 +199,8 @@ def _table(cells: list[dict[str, Any]], methods: tuple[str, ...], paper: dict[st
         row = [LABELS[method]]
         for i, setting in enumerate(SETTINGS):
             runs = [s["results"][method] for s in cells if _alpha(s["config"]) == setting and method in s["results"]]
-            row.append(_ours(runs) + (f" | {paper.get(method, ['-'] * 3)[i]}" if paper else ""))
+            row.append(_ours(runs) + common.older_mark(method, runs)
+                       + (f" | {paper.get(method, ['-'] * 3)[i]}" if paper else ""))
         lines.append("| " + " | ".join(row) + " |")
         if method in ("fedavg", "feddf") and any(_vote(s, method) is not None for s in cells):
             row = [f"{LABELS[method]}, vote of the per-architecture models (the paper's protocol; cells with it)"]
@@ -208,7 +209,7 @@ def _table(cells: list[dict[str, Any]], methods: tuple[str, ...], paper: dict[st
                 row.append(_ours([{"accuracy": v, "best_accuracy": v} for v in votes])
                            + (f" | {paper.get(method, ['-'] * 3)[SETTINGS.index(setting)]}" if paper else ""))
             lines.append("| " + " | ".join(row) + " |")
-    return lines
+    return lines + common.older_note(methods, cells)
 
 
 def _vote(cell: dict[str, Any], method: str) -> float | None:
