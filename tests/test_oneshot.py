@@ -690,6 +690,34 @@ def _distiller(tmp_path, **cfg):
     return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), config, ctx, "dense")
 
 
+def test_pool_shuffle_redraws_the_kd_batches_from_every_sample_each_epoch(tmp_path):
+    """``pool_shuffle`` (DENSE's and Co-Boosting's shuffled DataLoader over the pool): the same
+    samples with their labels and client logits, in another seeded order each epoch, cut into
+    ``batch_size`` batches; the same seed gives the same batches; an epoch then distils
+    ceil(samples / batch_size) batches and logs no ``kd_loss_new`` (fresh samples are mixed in)."""
+    engine = _distiller(tmp_path / "a", pool_shuffle=True, pool_size=-1, replay=-1)
+    batches = [engine.synthesize(e)[0] for e in (1, 2, 3)]
+    x3, y3, logits3 = batches[2]
+    batches[2] = (x3[:5], y3[:5], logits3[:, :5])  # a short batch: 8 + 8 + 5 = 21 samples
+
+    def key(x: torch.Tensor, y: torch.Tensor, lg: torch.Tensor) -> list[tuple]:
+        return [(bytes(x[i].flatten().tolist()), int(y[i]), tuple(lg[:, i].flatten().tolist())) for i in range(len(y))]
+
+    one, two = engine.shuffled(batches, 1), engine.shuffled(batches, 2)
+    assert [len(b[1]) for b in one] == [8, 8, 5]
+    assert sorted(sum((key(*b) for b in one), [])) == sorted(sum((key(*b) for b in batches), []))
+    assert not torch.equal(torch.cat([b[1] for b in one]), torch.cat([b[1] for b in two])) or \
+        not torch.equal(torch.cat([b[0] for b in one]), torch.cat([b[0] for b in two]))  # another order
+    again = _distiller(tmp_path / "b", pool_shuffle=True).shuffled(batches, 1)
+    assert all(torch.equal(a, b) for x, y in zip(one, again) for a, b in zip(x, y))
+    engine.pool.extend(batches[:2])
+    row = engine.epoch(2)
+    assert "kd_loss_new" not in row and row["kd_loss"] > 0
+    plain = _distiller(tmp_path / "c", pool_size=-1, replay=-1)
+    plain.pool.extend(batches[:2])
+    assert "kd_loss_new" in plain.epoch(2)
+
+
 def test_kd_step_reports_its_peak_gradient_norm_and_grad_clip_bounds_the_step(tmp_path):
     from hetfl.fl.datafree import DataFreeConfig
 

@@ -181,6 +181,7 @@ class DataFreeConfig:
     nz: int = 256
     pool_size: int = 0  # batches kept for replay (0: no replay; -1: unbounded, DENSE)
     replay: int = 0  # replayed pool batches per epoch (-1: the whole pool, DENSE)
+    pool_shuffle: bool = False  # KD batches drawn afresh each epoch from the samples of the batches distilled
     precision: str = "fp32"  # fp32 | bf16 autocast for the generator, teacher and student forwards of synthesis
     channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
@@ -364,6 +365,17 @@ class DataFreeDistiller:
             out["dead_units"] = float(dead)
         return out
 
+    def shuffled(self, batches: list[Batch], epoch: int) -> list[Batch]:
+        """``pool_shuffle``: the samples of ``batches`` in a seeded random order, cut into batches of
+        ``batch_size`` (the last one shorter), as DENSE's and Co-Boosting's code draw their KD
+        batches from a shuffled DataLoader over the whole pool each epoch."""
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        logits = torch.cat([b[2] for b in batches], dim=1)
+        g = torch.Generator().manual_seed(derive_seed(self.ctx.seed, self.name, "shuffle", epoch))
+        order = torch.randperm(len(y), generator=g).to(y.device)
+        return [(x[i], y[i], logits[:, i]) for i in order.split(self.cfg.batch_size)]
+
     def replay_batches(self, epoch: int) -> list[Batch]:
         pool = list(self.pool)
         if self.cfg.replay < 0 or self.cfg.replay >= len(pool):
@@ -443,7 +455,11 @@ class DataFreeDistiller:
         t0 = time.perf_counter()
         fresh = self.synthesize(epoch)
         t1 = time.perf_counter()
-        row: dict[str, Any] = self.distill(fresh + self.replay_batches(epoch), new=len(fresh))
+        batches = fresh + self.replay_batches(epoch)
+        if cfg.pool_shuffle:
+            row: dict[str, Any] = self.distill(self.shuffled(batches, epoch))
+        else:
+            row = self.distill(batches, new=len(fresh))
         if cfg.pool_size != 0:
             self.pool.extend(fresh)
         self.last_batch = fresh[-1]
@@ -495,7 +511,7 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 
 # keys added after checkpoints were written: left out of the key at their default
-LATER_KEYS = {"grad_clip": 0.0, "generator_grad_clip": 0.0}
+LATER_KEYS = {"grad_clip": 0.0, "generator_grad_clip": 0.0, "pool_shuffle": False}
 NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model (added after checkpoints)
 
 
