@@ -248,6 +248,7 @@ def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
     assert len(w) == 3 and all(0 <= v <= 1 for v in w)
     # each result records the settings it ran with, defaults filled in: Co-Boosting clips as its code does
     assert res["coboosting"]["params"]["grad_clip"] == res["coboosting"]["params"]["generator_grad_clip"] == 10
+    assert res["coboosting"]["params"]["pool_shuffle"] and not res["dense"]["params"]["pool_shuffle"]
     assert res["dense"]["params"]["grad_clip"] == res["dense"]["params"]["generator_grad_clip"] == 0
     assert res["dense"]["params"]["epochs"] == 2 and res["fedavg"]["params"] == {"rounds": 1, "sample_ratio": 1.0}
 

@@ -1664,10 +1664,12 @@ def test_results_of_older_defaults_are_marked_in_the_tables():
     from hetfl.reproduce import fedhydra as paper
 
     old, new = {"accuracy": 30.0, "best_accuracy": 40.0}, {"accuracy": 31.0, "best_accuracy": 41.0,
-                                                           "params": {"grad_clip": 10.0, "generator_grad_clip": 10.0}}
+                                                           "params": {"grad_clip": 10.0, "generator_grad_clip": 10.0,
+                                                                      "pool_shuffle": True}}
     off = {**new, "params": {"grad_clip": 0.0, "generator_grad_clip": 10.0}}
     assert common.older_defaults("coboosting", old) and common.older_defaults("coboosting", off)
     assert not common.older_defaults("coboosting", new) and not common.older_defaults("dense", old)
+    assert common.older_defaults("coboosting", {**new, "params": {**new["params"], "pool_shuffle": False}})
     assert common.older_mark("coboosting", [old, old]) == " †"
     assert common.older_mark("coboosting", [old, new]) == " † 1 of 2" and common.older_mark("coboosting", [new]) == ""
 

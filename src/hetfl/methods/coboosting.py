@@ -12,16 +12,20 @@ On the shared loop (:mod:`hetfl.fl.datafree`), with the facts of the public impl
 * Ensemble re-weighting after every epoch but the first: one pass over the pool with
   ``CE(P(x; w), y)``; per batch ``w <- w - mu * wdc^epoch * sign(grad_w)`` (mu 0.01, wdc 0.99), then
   ``w <- clip(w0 + clip(w - w0, -1, 1), 0, 1)``.
-* KD on the whole pool each epoch after ODS: ``x <- x + eta * sign(grad_x sum(r * softmax(P(x)/4)))``
-  with ``r ~ U(-1, 1)``; student loss ``T^2 KL(P/T || s/T)`` with T = 4; the student's gradient
-  norm clipped to 10 (``grad_clip``); SGD lr 0.01, momentum 0.9, weight decay 1e-4, cosine
-  schedule; batch 128.
+* KD on the whole pool each epoch, in batches drawn afresh from all its samples in a random order
+  (``pool_shuffle``, as the code's shuffled DataLoader over the pool), after ODS:
+  ``x <- x + eta * sign(grad_x sum(r * softmax(P(x)/4)))`` with ``r ~ U(-1, 1)``; student loss
+  ``T^2 KL(P/T || s/T)`` with T = 4; the student's gradient norm clipped to 10 (``grad_clip``);
+  SGD lr 0.01, momentum 0.9, weight decay 1e-4, cosine schedule; batch 128.
 
 Stated deviations: ODS step ``ods_eta`` = 4/255 in [0, 1] pixel space (the reference uses 8/255 in
-mean=std=0.5 normalised space, the same step); the pool lives in memory as uint8 tensors.
+mean=std=0.5 normalised space, the same step); the pool lives in memory as uint8 tensors; the
+ensemble re-weighting pass takes the pool's batches as generated (the code's loader shuffles them
+for it too: the same samples and steps, in another order).
 
 Until the fifty-ninth session both clips were missing here (``grad_clip`` and
-``generator_grad_clip`` 0): the Co-Boosting results of earlier runs are without them. Their
+``generator_grad_clip`` 0), and the KD pass took the pool's batches as generated, oldest first
+(``pool_shuffle`` false): the Co-Boosting results of earlier runs are without all three. Their
 summaries have no ``params`` in the method's result, which every run records since (the settings
 with the defaults filled in), so the reports can tell the two apart (docs/results/fedhydra-notes.md,
 fifty-ninth section). Those runs' largest
@@ -107,7 +111,7 @@ class CoBoosting(DataFreeMethod):
     name = "coboosting"
     method_defaults: dict[str, Any] = {
         "batch_size": 128, "lr": 0.01, "weight_decay": 1e-4, "cosine": True, "temperature": 4.0,
-        "grad_clip": 10.0, "generator_grad_clip": 10.0,
+        "grad_clip": 10.0, "generator_grad_clip": 10.0, "pool_shuffle": True,
         "lambda_bn": 0.0, "pool_size": -1, "replay": -1,
         "adv_temperature": 3.0, "hs": 1.0, "mu": 0.01, "wdc": 0.99, "ods_eta": 4.0 / 255.0,
     }

@@ -359,9 +359,10 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
 # mark on a result that ran the older ones says. A result ran them when it has no ``params`` (recorded
 # since the change) or its params differ on these keys.
 CHANGED_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
-    "coboosting": ({"grad_clip": 10.0, "generator_grad_clip": 10.0},
-                   "Co-Boosting without its code's gradient clipping (student and generator at norm 10), "
-                   "the default before the fifty-ninth session; the notes say what it changes"),
+    "coboosting": ({"grad_clip": 10.0, "generator_grad_clip": 10.0, "pool_shuffle": True},
+                   "Co-Boosting without its code's gradient clipping (student and generator at norm 10) and "
+                   "with the KD batches in pool order, not reshuffled each epoch as its code's DataLoader "
+                   "does: the defaults before the fifty-ninth session; the notes say what they change"),
 }
 OLDER_MARK = "†"
 
