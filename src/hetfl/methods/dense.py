@@ -17,6 +17,13 @@ Choices and deviations, stated:
 * The student is in eval mode while the generator trains (DENSE leaves it in train mode, so its
   BN statistics drift on synthetic batches).
 * The student starts from random initialisation, as in DENSE.
+* The KD pass takes the batches as generated (this epoch's first, then the pool oldest first);
+  DENSE's code draws them from a shuffled DataLoader over every pooled image each epoch, which
+  ``pool_shuffle: true`` does (the same samples and number of steps, other batches). Measured at
+  the `reduced` budget (MNIST Dir(0.5), Dir(0.01), 2c/c, seed 0, the same uploads; best over
+  epochs): 75.87 / 10.91 / 12.99 % in pool order against 75.60 / 10.85 / 16.33 % reshuffled
+  (docs/results/fedhydra-notes.md, fifty-ninth section). Not the default yet: every DENSE result
+  archived so far ran in pool order, and the paper-budget ones took hours each.
 """
 
 from __future__ import annotations
