@@ -28,9 +28,9 @@ Until the fifty-ninth session both clips were missing here (``grad_clip`` and
 (``pool_shuffle`` false): the Co-Boosting results of earlier runs are without all three. Their
 summaries have no ``params`` in the method's result, which every run records since (the settings
 with the defaults filled in), so the reports can tell the two apart (docs/results/fedhydra-notes.md,
-fifty-ninth section). Those runs' largest
-student gradient norm per epoch (``kd_grad_max``) was above 10 in every epoch of the paper-budget
-MNIST 2c/c run (median 20, up to 84), so the reference's clip binds.
+fifty-ninth section). Those runs' largest student gradient norm per epoch (``kd_grad_max``) was
+above 10 in every epoch of the paper-budget MNIST 2c/c run (median 20-27, up to 84), so the
+reference's clip binds.
 """
 
 from __future__ import annotations
