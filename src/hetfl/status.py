@@ -8,8 +8,8 @@ The pace: rows stamped ``logged_at`` (every row the simulator writes) give each 
 (the time between the last rows of consecutive steps). A robust line through the last :data:`RECENT`
 steps' seconds (Theil-Sen, never sloping down) prices each step left: DENSE's and Co-Boosting's
 epochs grow slower as their pool grows, so the mean pace so far would promise too soon an end. The
-medians ignore the gap of a resume or a paused process. Rows without
-``logged_at`` (older runs) fall back to the mean pace to the checkpoint."""
+medians ignore the gap of a resume or a paused process. Rows without ``logged_at`` (older runs) fall
+back to the mean pace to the checkpoint."""
 
 from __future__ import annotations
 

@@ -384,10 +384,16 @@ def older_mark(method: str, runs: list[dict[str, Any]]) -> str:
     return f" {OLDER_MARK}" if older == len(runs) else f" {OLDER_MARK} {older} of {len(runs)}"
 
 
+def older_footnotes(marked: Iterable[str]) -> list[str]:
+    """A blank line and one footnote per method of ``marked`` (none: no lines)."""
+    notes = [f"{OLDER_MARK} {CHANGED_DEFAULTS[m][1]}." for m in marked]
+    return ["", *notes] if notes else []
+
+
 def older_note(methods: Iterable[str], cells: list[dict[str, Any]]) -> list[str]:
     """The footnote lines for the marks :func:`older_mark` puts in a table of ``cells``."""
-    marked = [m for m in methods if any(older_defaults(m, s["results"][m]) for s in cells if m in s["results"])]
-    return ["", *(f"{OLDER_MARK} {CHANGED_DEFAULTS[m][1]}." for m in marked)] if marked else []
+    return older_footnotes(m for m in methods
+                           if any(older_defaults(m, s["results"][m]) for s in cells if m in s["results"]))
 
 
 def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: Iterable[str], also: str = "") -> None:

@@ -629,8 +629,7 @@ def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
         lines.append(f"| {dataset.upper()} | {_label(setting)} | {row['paper']:.2f} | {spec_text} | "
                      + " | ".join(cols) + f" | {gap} |")
     cells = [c for row in rows.values() for c in [*row["budgets"].values(), row.get("paper_budget", {})]]
-    marked = sorted({c["best"][0] for c in cells if c.get("best_mark")})
-    notes = ["", *(f"{common.OLDER_MARK} {common.CHANGED_DEFAULTS[m][1]}." for m in marked)] if marked else []
+    notes = common.older_footnotes(sorted({c["best"][0] for c in cells if c.get("best_mark")}))
     return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
                       STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
                       "", *lines, *notes])
