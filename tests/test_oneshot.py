@@ -807,6 +807,20 @@ def test_config_key_leaves_later_keys_out_at_their_default():
 
     assert "grad_clip" not in json.loads(config_key(DataFreeConfig()))  # keys of older checkpoints unchanged
     assert "generator_grad_clip" not in json.loads(config_key(DataFreeConfig()))
+    # a method's params repeat the loop's keys: a checkpoint written before generator_grad_clip and
+    # pool_shuffle existed (its params without them) still matches at their defaults, and grad_clip,
+    # in the params since it was added, stays there
+    import hetfl.methods  # noqa: F401
+    from hetfl.fl.method import create_method
+
+    dense = create_method("dense", {"epochs": 3})
+    older = {k: v for k, v in dense.params.items() if k not in ("generator_grad_clip", "pool_shuffle")}
+    assert config_key(dense.config, method="dense", params=dense.params) == config_key(
+        dense.config, method="dense", params=older)
+    assert json.loads(config_key(dense.config, method="dense", params=dense.params))["params"]["grad_clip"] == 0.0
+    shuffled = create_method("dense", {"epochs": 3, "pool_shuffle": True})
+    assert config_key(shuffled.config, method="dense", params=shuffled.params) != config_key(
+        dense.config, method="dense", params=dense.params)
     assert json.loads(config_key(DataFreeConfig(generator_grad_clip=10.0)))["generator_grad_clip"] == 10.0
     assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
     assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")

@@ -512,6 +512,9 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 # keys added after checkpoints were written: left out of the key at their default
 LATER_KEYS = {"grad_clip": 0.0, "generator_grad_clip": 0.0, "pool_shuffle": False}
+# the same for the copy of the loop's keys in a method's params (grad_clip has been in them since it was
+# added, so checkpoints written since hold it there: it stays)
+LATER_PARAMS = {"generator_grad_clip": 0.0, "pool_shuffle": False}
 NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model (added after checkpoints)
 
 
@@ -519,6 +522,7 @@ def config_key(cfg: DataFreeConfig, **extra: Any) -> str:
     """What a checkpoint must match to be resumed: every setting of the loop and ``extra`` (a
     method's ``params`` included), less the :data:`NOT_IN_KEY` settings."""
     keys = {k: v for k, v in asdict(cfg).items() if LATER_KEYS.get(k, object()) != v and k not in NOT_IN_KEY}
-    if isinstance(extra.get("params"), dict):
-        extra["params"] = {k: v for k, v in extra["params"].items() if k not in NOT_IN_KEY}
+    if isinstance(extra.get("params"), dict):  # a method's params repeat the loop's keys, defaults filled in
+        extra["params"] = {k: v for k, v in extra["params"].items()
+                           if LATER_PARAMS.get(k, object()) != v and k not in NOT_IN_KEY}
     return json.dumps({**keys, **extra}, sort_keys=True, default=str)
