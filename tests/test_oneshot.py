@@ -407,30 +407,35 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     assert again["results"]["fedhydra"]["best_accuracy"] == 99.0
 
 
+@pytest.mark.parametrize("method", ["dense", "coboosting"])
 def test_a_stop_signal_in_mid_epoch_saves_that_epoch_and_the_resume_gives_the_same_model(tmp_path, monkeypatch,
-                                                                                         capsys):
+                                                                                         capsys, method):
     """Ctrl-C (or a parallel parent's SIGINT at a deadline) finishes the epoch under way and saves it,
-    though no periodic checkpoint is due: nothing done before the stop is redone."""
+    though no periodic checkpoint is due: nothing done before the stop is redone. Co-Boosting with
+    its defaults (clipped, its KD batches reshuffled each epoch, ODS and ensemble weights) too."""
     cfg = json.loads(json.dumps(SMOKE))
-    cfg["methods"] = {"dense": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "checkpoint_every": 10}}
+    cfg["methods"] = {method: {"epochs": 4, "generator_steps": 2, "batch_size": 16, "checkpoint_every": 10}}
     full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
     calls = stop_in_epoch_3(monkeypatch, lambda: signal.raise_signal(signal.SIGINT))  # held back: epoch 3 ends
     with pytest.raises(KeyboardInterrupt):
         Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
-    assert "dense: stopping after this epoch, to save a checkpoint (SIGINT)" in capsys.readouterr().err
-    assert json.loads((tmp_path / "run" / "dense" / "checkpoint.json").read_text())["epoch"] == 3
+    assert f"{method}: stopping after this epoch, to save a checkpoint (SIGINT)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / method / "checkpoint.json").read_text())["epoch"] == 3
     resumed = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     assert calls == [1, 2, 3, 4]  # epoch 3 was finished before the stop, and not redone
-    r, f = resumed["results"]["dense"], full["results"]["dense"]
+    r, f = resumed["results"][method], full["results"][method]
     assert r["resumed_from_epoch"] == 3
     assert r["seconds"] > r["seconds_before_resume"] > 0  # epochs 1-3 count in the stage's seconds
     assert "seconds_before_resume" not in f
     assert (r["accuracy"], r["best_accuracy"]) == pytest.approx((f["accuracy"], f["best_accuracy"]), abs=1e-6)
-    a = load_file(str(tmp_path / "run" / "dense" / "dense.safetensors"))
-    b = load_file(str(tmp_path / "full" / "dense" / "dense.safetensors"))
+    a = load_file(str(tmp_path / "run" / method / f"{method}.safetensors"))
+    b = load_file(str(tmp_path / "full" / method / f"{method}.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in b)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "dense" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in rows] == [1, 2, 3, 4, -1]
+
+    def steps(run: str) -> list[int]:
+        return [json.loads(x)["step"] for x in (tmp_path / run / method / "metrics.jsonl").read_text().splitlines()]
+
+    assert steps("run") == steps("full") and steps("run")[-1] == -1 and max(steps("run")) == 4
 
 
 def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, monkeypatch, capsys):
