@@ -277,16 +277,13 @@ class DataFreeDistiller:
         params = list(self.generator.parameters()) + ([z] if z is not None else [])
         return torch.optim.Adam(params, lr=self.cfg.generator_lr, betas=(0.5, 0.999))
 
-    def teacher_logits(self, x: torch.Tensor, record_stats: bool = True) -> torch.Tensor:
-        """(m, b, c) logits of every client model on ``x``; with ``record_stats`` the BN hooks
-        record their statistics for :meth:`BNStatsLoss.per_model` (off: the same logits without
-        the hooks' passes over every BatchNorm input, for forwards outside the generator's loss)."""
+    def teacher_logits(self, x: torch.Tensor, record_stats: bool = False) -> torch.Tensor:
+        """(m, b, c) logits of every client model on ``x``; with ``record_stats`` (the generator's
+        step, whose loss has L_BN) the BN hooks record their statistics for
+        :meth:`BNStatsLoss.per_model`; without, they skip their passes over every BatchNorm input."""
         self.bn.clear()
         self.bn.recording = record_stats
-        try:
-            return torch.stack([t(x).float() for t in self.teachers])
-        finally:
-            self.bn.recording = True
+        return torch.stack([t(x).float() for t in self.teachers])
 
     def synthesize(self, epoch: int) -> list[Batch]:
         """Train the generator for T_G steps; return the kept (images, labels, client logits)."""
@@ -309,7 +306,7 @@ class DataFreeDistiller:
             for _ in range(cfg.generator_steps):
                 with autocast(dev, cfg.precision):
                     x = self.generator(z)
-                    logits = self.teacher_logits(x)
+                    logits = self.teacher_logits(x, record_stats=True)
                     P = self.recipe.aggregate(logits, y)
                     s = self.student(x).float()
                 loss = self.recipe.generator_loss(P, s, y, self.bn.per_model(), cfg)

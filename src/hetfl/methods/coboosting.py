@@ -77,11 +77,11 @@ class CoBoostingRecipe(Recipe):
         g = torch.Generator().manual_seed(derive_seed(self.seed, "ods", self.kd_calls))
         self.kd_calls += 1
         r = (torch.rand(x.shape[0], engine.ctx.num_classes, generator=g) * 2 - 1).to(x.device)
-        P = self.aggregate(engine.teacher_logits(x, record_stats=False), y)
+        P = self.aggregate(engine.teacher_logits(x), y)
         (grad,) = torch.autograd.grad((r * F.softmax(P / 4.0, dim=1)).sum(), x)
         with torch.no_grad():
             x_ods = (x + self.p["ods_eta"] * grad.sign()).clamp_(0, 1)
-            P_ods = self.aggregate(engine.teacher_logits(x_ods, record_stats=False), y)
+            P_ods = self.aggregate(engine.teacher_logits(x_ods), y)
         return x_ods, P_ods
 
     def on_epoch_end(self, engine: DataFreeDistiller, epoch: int) -> None:
