@@ -696,6 +696,27 @@ def _distiller(tmp_path, **cfg):
     return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), config, ctx, "dense")
 
 
+def test_teacher_logits_record_bn_statistics_only_for_the_generator_step(tmp_path):
+    """The generator's step asks for the teachers' BN statistics (its L_BN); other forwards (Co-Boosting's
+    ODS) get the same logits without them."""
+    engine = _distiller(tmp_path)
+    x = torch.rand(8, 1, 28, 28)
+    plain = engine.teacher_logits(x)
+    assert float(engine.bn.per_model().abs().sum()) == 0
+    recorded = engine.teacher_logits(x, record_stats=True)
+    assert torch.equal(plain, recorded) and bool((engine.bn.per_model() > 0).all())
+    recorded_in_step: list[float] = []
+    original = engine.recipe.generator_loss
+
+    def spy(P, s, y, bn, cfg):
+        recorded_in_step.append(float(bn.detach().sum()))
+        return original(P, s, y, bn, cfg)
+
+    engine.recipe.generator_loss = spy
+    engine.synthesize(1)
+    assert recorded_in_step and all(v > 0 for v in recorded_in_step)  # L_BN reached the generator's loss
+
+
 def test_pool_shuffle_redraws_the_kd_batches_from_every_sample_each_epoch(tmp_path):
     """``pool_shuffle`` (DENSE's and Co-Boosting's shuffled DataLoader over the pool): the same
     samples with their labels and client logits, in another seeded order each epoch, cut into
