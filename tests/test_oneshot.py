@@ -458,12 +458,13 @@ def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, m
     accs = [(r["step"], r["accuracy"]) for r in rows]
     assert (row["method"], row["finished"], row["logged"], row["total"], row["checkpoint"]) == ("dense", False, 3, 4, 3)
     assert (row["last"], row["best"]) == (accs[-1][1], max(a for _, a in accs)) and row["seconds_per_step"] > 0
+    assert row["seconds_left"] == pytest.approx(row["seconds_per_step"])  # no line yet: mean pace x 1 step
     assert main(["status", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "dense" in out and "not finished" in out and "3/4" in out and " min" in out
     Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     (row,) = run_status(tmp_path / "run")
-    assert (row["finished"], row["logged"], row["checkpoint"]) == (True, 4, 4)
+    assert (row["finished"], row["logged"], row["checkpoint"], row["seconds_left"]) == (True, 4, 4, None)
     assert main(["status", str(tmp_path)]) == 0  # a folder of runs: each run under its name
     assert f"{tmp_path / 'run'}:" not in capsys.readouterr().out  # one run: no heading
     (tmp_path / "run2").mkdir()
@@ -497,13 +498,14 @@ def test_status_prices_the_rest_at_the_recent_pace_and_its_growth(tmp_path):
     assert recent_pace(pairs[:3]) is None  # too few steps to say
     assert recent_pace([(s, 20.0 - 0.1 * s) for s in range(1, 30)])[1] == 0  # never sloping down
     assert step_seconds([{"step": 1, "logged_at": 5.0}, {"step": 3, "logged_at": 9.0}]) == []  # not consecutive
+    left = sum(cost(s) for s in range(51, 201))  # from a checkpoint at step 50, the pace there
+    assert seconds_left((now - growth * 10, growth), 50, 200) == pytest.approx(left)
+    mean_only = (10.0 + 0.5 * 25.5)  # the mean pace to epoch 50 would promise this much less
+    assert mean_only * 150 < left - 1800
     table = status_table([{"method": "dense", "finished": False, "logged": 60, "total": 200, "last": 9.0,
                            "best": 9.0, "best_step": 1, "checkpoint": 50, "seconds_per_step": now,
-                           "pace_growth": growth}])
-    left = sum(cost(s) for s in range(51, 201)) / 60
-    assert f"{left:.0f} min" in table  # from the checkpoint, at the pace there
-    mean_only = (10.0 + 0.5 * 25.5)  # the mean pace to epoch 50 would promise this much less
-    assert mean_only * 150 / 60 < left - 30
+                           "seconds_left": left}])
+    assert f"{left / 60:.0f} min" in table and f"{now:.1f}" in table
 
 
 def test_checkpoints_come_every_checkpoint_every_epochs_or_seconds_and_the_seconds_stay_out_of_the_key(

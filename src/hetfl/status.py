@@ -113,7 +113,9 @@ def run_folders(path: Path) -> list[Path]:
 
 def run_status(run_dir: Path) -> list[dict[str, Any]]:
     """One row per method folder with a ``metrics.jsonl`` (module docstring); ValueError for a folder
-    that is not a run's."""
+    that is not a run's. ``seconds_left`` is the time the steps after the checkpoint take: at the
+    recent pace and its growth where the rows are stamped, else at the mean pace to the checkpoint
+    (a lower bound where steps grow slower, as the data-free loop's do); None for a finished method."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir}: not a run folder (no config.json)")
@@ -127,20 +129,24 @@ def run_status(run_dir: Path) -> list[dict[str, Any]]:
         evals = [(r["step"], float(r["accuracy"])) for r in rows if "accuracy" in r]
         saved, per_step = _saved_at(folder)
         best = max(evals, key=lambda e: e[1]) if evals else None
-        logged = max((r["step"] for r in rows), default=0)
+        logged, total = max((r["step"] for r in rows), default=0), _total(config, method)
         pace = recent_pace(step_seconds(rows))
-        out.append({"method": method, "finished": method in finished, "logged": logged,
-                    "total": _total(config, method), "last": evals[-1][1] if evals else None,
-                    "best": best[1] if best else None, "best_step": best[0] if best else None,
-                    "checkpoint": saved, "seconds_per_step": pace[0] if pace else per_step,
-                    "pace_growth": pace[1] if pace else None})
+        left = None
+        if total and saved is not None and method not in finished:
+            if pace:  # measured at the last logged step: back to the checkpoint, where a resume starts
+                now, growth = pace
+                left = seconds_left((now - growth * max(0, logged - saved), growth), saved, total)
+            elif per_step:
+                left = per_step * max(0, total - saved)
+        out.append({"method": method, "finished": method in finished, "logged": logged, "total": total,
+                    "last": evals[-1][1] if evals else None, "best": best[1] if best else None,
+                    "best_step": best[0] if best else None, "checkpoint": saved,
+                    "seconds_per_step": pace[0] if pace else per_step, "seconds_left": left})
     return out
 
 
 def status_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table of :func:`run_status`'s rows, with the time the steps after the checkpoint
-    take: at the recent pace and its growth where the rows are stamped (module docstring), else at
-    the mean pace to the checkpoint (a lower bound where steps grow slower, as the data-free loop's do)."""
+    """A fixed-width table of :func:`run_status`'s rows."""
     if not rows:
         return "no method has logged a step yet"
     w = max([14, *(len(r["method"]) for r in rows)])
@@ -153,11 +159,7 @@ def status_table(rows: list[dict[str, Any]]) -> str:
         best = f"{r['best']:.2f} ({r['best_step']})" if r["best"] is not None else "-"
         last = f"{r['last']:.2f}" if r["last"] is not None else "-"
         pace = r["seconds_per_step"]
-        rest = "-"
-        if pace and total and r["checkpoint"] is not None and not r["finished"]:
-            growth = r.get("pace_growth") or 0.0  # the pace was measured at the last logged step
-            left = seconds_left((pace - growth * max(0, r["logged"] - r["checkpoint"]), growth), r["checkpoint"], total)
-            rest = f"{left / 60:.0f} min"
+        rest = f"{r['seconds_left'] / 60:.0f} min" if r.get("seconds_left") is not None else "-"
         lines.append(f"{r['method']:<{w}} {'finished' if r['finished'] else 'not finished':<12} {logged:>11} "
                      f"{last:>7} {best:>15} {r['checkpoint'] if r['checkpoint'] is not None else '-':>10} "
                      f"{f'{pace:.1f}' if pace else '-':>7} {rest:>8}")
