@@ -509,9 +509,9 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 # keys added after checkpoints were written: left out of the key at their default
 LATER_KEYS = {"grad_clip": 0.0, "generator_grad_clip": 0.0, "pool_shuffle": False}
-# the same for the copy of the loop's keys in a method's params (grad_clip has been in them since it was
-# added, so checkpoints written since hold it there: it stays)
-LATER_PARAMS = {"generator_grad_clip": 0.0, "pool_shuffle": False}
+# the same for the copy of the loop's keys in a method's params, except grad_clip: it has been in them
+# since it was added, so the checkpoints written since hold it there
+LATER_PARAMS = {k: v for k, v in LATER_KEYS.items() if k != "grad_clip"}
 NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model (added after checkpoints)
 
 
