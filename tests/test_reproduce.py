@@ -1490,6 +1490,14 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
                                  for i, a in ((1, 40.0), (2, 63.3))) + "\n")
     merge_methods(archived, run, ["dense"], metrics)
     assert json.loads(archived.read_text())["curves"] == {"ot": [[1, 61.5]], "dense": [[1, 40.0], [2, 63.3]]}
+    assert "replaced" not in json.loads(archived.read_text())  # the same result again replaces nothing
+    rerun = {**run, "results": {"dense": {**result, "accuracy": 70.0, "params": {"pool_shuffle": True}}}}
+    metrics.write_text(json.dumps({"method": "dense", "step": 1, "accuracy": 70.0}) + "\n")
+    merge_methods(archived, rerun, ["dense"], metrics)  # a re-run after a change of defaults
+    merged = json.loads(archived.read_text())
+    assert merged["results"]["dense"]["accuracy"] == 70.0 and merged["curves"]["dense"] == [[1, 70.0]]
+    assert merged["replaced"] == {"dense": [{"result": {**result, "accuracy": 63.3}, "config": {"epochs": 200},
+                                             "curve": [[1, 40.0], [2, 63.3]]}]}
 
 
 def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
@@ -1685,3 +1693,32 @@ def test_results_of_older_defaults_are_marked_in_the_tables():
     assert "†" not in next(x for x in lines if x.startswith("| DENSE"))
     assert lines[-1].startswith("† Co-Boosting without its code's gradient clipping")
     assert not any("†" in x for x in paper._table([cell("0.5", 0, new)], "mnist", ("dense", "coboosting")))
+
+
+def test_replaced_report_sets_a_merged_rerun_beside_the_result_it_replaced(tmp_path):
+    from hetfl.reproduce.common import merge_methods, replaced_report, replaced_rows
+
+    assert replaced_report(tmp_path, {}, ("reduced",)) == ""
+    folder = tmp_path / "one-cache"
+    folder.mkdir()
+    new_params = {"grad_clip": 10.0, "generator_grad_clip": 10.0, "pool_shuffle": True}
+    for seed, (old, new) in enumerate(((40.0, 45.0), (50.0, 48.0))):
+        cfg = {"name": f"fedhydra-mnist-2cc-s{seed}-reduced-t60", "dataset": "mnist", "seed": seed, "clients": 5,
+               "partition": {"kind": "shards"}, "client": {"model": "cnn2"}, "server": {"model": "cnn2"},
+               "methods": {"fedavg": {}, "coboosting": {"epochs": 60}}}
+        digest = {"uploads_sha256": f"d{seed}"}
+        cell = {"config": cfg, "results": {"fedavg": {"accuracy": 20.0, **digest},
+                                           "coboosting": {"accuracy": old - 1, "best_accuracy": old, **digest}}}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps(cell))
+        rerun = {"config": cfg, "results": {"coboosting": {"accuracy": new - 2, "best_accuracy": new,
+                                                           "params": new_params, **digest}}}
+        merge_methods(folder / f"{cfg['name']}.json", rerun, ["coboosting"])
+    rows = replaced_rows(tmp_path)
+    assert [(r["cell"], r["before"]["best_accuracy"], r["after"]["best_accuracy"], r["older"]) for r in rows] == [
+        ("fedhydra-mnist-2cc-s0-reduced-t60", 40.0, 45.0, True),
+        ("fedhydra-mnist-2cc-s1-reduced-t60", 50.0, 48.0, True)]
+    text = replaced_report(tmp_path, {"coboosting": "Co-Boosting"}, ("reduced", "reduced-t60"))
+    assert ("| `reduced-t60` | fedhydra-mnist-2cc-s0-reduced-t60 | Co-Boosting | 40.00 (39.00) † | 45.00 (43.00) | "
+            "+5.00 | +4.00 |") in text
+    assert "| `reduced-t60` | **mean of 2** (best higher in 1) | Co-Boosting | | | **+1.50** | **+0.50** |" in text
+    assert "### Per cell and method" in text and "\n† Co-Boosting without" in text

@@ -154,7 +154,10 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     archived cell keeps curves. Only on the same uploads (:func:`same_uploads`: same setting and the
     same ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method;
     ValueError otherwise, naming the mismatch. The archived cell's environment stays its own: each
-    merged result carries its own seconds, and a hand-written ``note`` should say where it ran."""
+    merged result carries its own seconds, and a hand-written ``note`` should say where it ran.
+    A result the merge replaces is kept, with its config and curve, in the cell's ``replaced``
+    (``{method: [{"result": ..., "config": ..., "curve": ...}, ...]}``, oldest first), so a re-run after
+    a change of defaults (:data:`CHANGED_DEFAULTS`) can be read beside the run it replaced."""
     archived = json.loads(archived_file.read_text())
     methods = list(methods)
     missing = [m for m in methods if m not in summary["results"]]
@@ -168,6 +171,11 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
         if ours is not None and theirs != ours:
             raise ValueError(f"{archived_file.name}: {m} ran with {theirs}, the archived cell with {ours}")
     for m in methods:
+        if m in archived["results"] and archived["results"][m] != summary["results"][m]:
+            earlier = {"result": archived["results"][m], "config": archived["config"]["methods"].get(m, {})}
+            if m in archived.get("curves", {}):
+                earlier["curve"] = archived["curves"][m]
+            archived.setdefault("replaced", {}).setdefault(m, []).append(earlier)
         archived["results"][m] = summary["results"][m]
         archived["config"]["methods"][m] = summary["config"]["methods"].get(m, {})
     if metrics is not None and "curves" in archived:
@@ -394,6 +402,73 @@ def older_note(methods: Iterable[str], cells: list[dict[str, Any]]) -> list[str]
     """The footnote lines for the marks :func:`older_mark` puts in a table of ``cells``."""
     return older_footnotes(m for m in methods
                            if any(older_defaults(m, s["results"][m]) for s in cells if m in s["results"]))
+
+
+REPLACED_INTRO = """Results merged into archived cells on the cells' own uploads (`merge_methods`: the same
+upload digests, or FedAvg and the ensemble to the last digit), replacing an earlier result of the same
+method: after a change of its defaults (marked {mark} where the earlier one ran them), the earlier and
+the new result side by side. Best over epochs % (final %); the mean row per budget and method is over
+the cells listed."""
+
+
+def replaced_rows(archive: Path) -> list[dict[str, Any]]:
+    """One row per method result replaced in an archived cell (the cell's ``replaced``, written by
+    :func:`merge_methods`) in ``archive`` and its subfolders: cell name, method, the earlier and the
+    current result, and whether the earlier one ran the older defaults (:func:`older_defaults`)."""
+    rows = []
+    for p in sorted(archive.rglob("*.json")):
+        if p.parent.name == PARTIAL or p.parent.parent.name == PARTIAL:
+            continue
+        try:
+            cell = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(cell, dict) or not isinstance(cell.get("replaced"), dict):
+            continue
+        for method, earlier in cell["replaced"].items():
+            for old in earlier:
+                rows.append({"cell": cell["config"]["name"], "method": method, "before": old["result"],
+                             "after": cell["results"][method], "older": older_defaults(method, old["result"])})
+    return rows
+
+
+def replaced_report(archive: Path, labels: dict[str, str], budgets: Iterable[str]) -> str:
+    """Markdown section on :func:`replaced_rows` ("" when there are none), cells grouped by the budget
+    their name ends in (``budgets``, longest match first), each group closed by its mean row."""
+    rows = replaced_rows(archive)
+    if not rows:
+        return ""
+
+    def budget_of(name: str) -> str:
+        return next((b for b in sorted(budgets, key=len, reverse=True) if name.endswith(f"-{b}")), "other")
+
+    def acc(r: dict[str, Any]) -> str:
+        return f"{r.get('best_accuracy', r['accuracy']):.2f} ({r['accuracy']:.2f})"
+
+    def best(r: dict[str, Any]) -> float:
+        return r.get("best_accuracy", r["accuracy"])
+
+    lines = ["## Results re-run after a change of defaults (same uploads)", "",
+             REPLACED_INTRO.format(mark=OLDER_MARK), "", "### Per cell and method", "",
+             "| budget | cell | method | before | after | Δ best | Δ final |", "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((budget_of(r["cell"]), r["method"]), []).append(r)
+    for (budget, method), group in sorted(groups.items()):
+        name = labels.get(method, method)
+        for r in group:
+            mark = f" {OLDER_MARK}" if r["older"] else ""
+            lines.append(f"| `{budget}` | {r['cell']} | {name} | {acc(r['before'])}{mark} | {acc(r['after'])} | "
+                         f"{best(r['after']) - best(r['before']):+.2f} | "
+                         f"{r['after']['accuracy'] - r['before']['accuracy']:+.2f} |")
+        if len(group) > 1:
+            d_best = statistics.fmean(best(r["after"]) - best(r["before"]) for r in group)
+            d_final = statistics.fmean(r["after"]["accuracy"] - r["before"]["accuracy"] for r in group)
+            higher = sum(best(r["after"]) > best(r["before"]) for r in group)
+            lines.append(f"| `{budget}` | **mean of {len(group)}** (best higher in {higher}) | {name} | | | "
+                         f"**{d_best:+.2f}** | **{d_final:+.2f}** |")
+    marked = sorted({r["method"] for r in rows if r["older"]})
+    return "\n".join(lines + older_footnotes(marked))
 
 
 def check_choices(option: str, given: str | list[str] | tuple[str, ...], valid: Iterable[str], also: str = "") -> None:

@@ -964,7 +964,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
         if trials := trials_report(archive):
             standing += "\n" + trials
     bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
-              common.partial_report(archive, LABELS)]
+              common.partial_report(archive, LABELS), common.replaced_report(archive, LABELS, BUDGETS)]
     common.write_results(path, HEADER, bodies, notes)
     plot_curves(root, path)
 
