@@ -1722,3 +1722,37 @@ def test_replaced_report_sets_a_merged_rerun_beside_the_result_it_replaced(tmp_p
             "+5.00 | +4.00 |") in text
     assert "| `reduced-t60` | **mean of 2** (best higher in 1) | Co-Boosting | | | **+1.50** | **+0.50** |" in text
     assert "### Per cell and method" in text and "\n† Co-Boosting without" in text
+
+
+def test_archive_merge_command_merges_a_rerun_cell_and_refuses_other_uploads(tmp_path, capsys):
+    from hetfl.cli import main
+
+    folder = tmp_path / "fedhydra-runs" / "one-cache"
+    folder.mkdir(parents=True)
+    cfg = {"name": "fedhydra-fmnist-0.5-s0-reduced", "dataset": "fmnist", "seed": 0, "clients": 5,
+           "partition": {"kind": "dirichlet", "alpha": 0.5}, "client": {"model": "cnn2"},
+           "server": {"model": "cnn2"}, "methods": {"fedavg": {}, "coboosting": {"epochs": 20}}}
+    cell = {"config": cfg, "results": {"fedavg": {"accuracy": 60.0}, "ensemble": {"accuracy": 62.0},
+                                       "coboosting": {"accuracy": 55.0, "best_accuracy": 58.0}},
+            "curves": {"coboosting": [[1, 58.0], [2, 55.0]]}}
+    (folder / f"{cfg['name']}.json").write_text(json.dumps(cell))
+    run = tmp_path / "runs" / cfg["name"]
+    run.mkdir(parents=True)
+    rerun = {"config": cfg, "results": {"fedavg": {"accuracy": 60.0}, "ensemble": {"accuracy": 62.0},
+                                        "coboosting": {"accuracy": 66.0, "best_accuracy": 67.0}}}
+    (run / "summary.json").write_text(json.dumps(rerun))
+    (run / "metrics.jsonl").write_text(json.dumps({"method": "coboosting", "step": 1, "accuracy": 67.0}) + "\n")
+    results = tmp_path / "fedhydra.md"
+    assert main(["archive-merge", "fedhydra", str(run), "--methods", "coboosting", "--results", str(results)]) == 0
+    assert "merged coboosting of" in capsys.readouterr().out
+    merged = json.loads((folder / f"{cfg['name']}.json").read_text())
+    assert merged["results"]["coboosting"]["accuracy"] == 66.0 and merged["curves"]["coboosting"] == [[1, 67.0]]
+    assert merged["replaced"]["coboosting"][0]["result"]["accuracy"] == 55.0
+    other = {**rerun, "results": {**rerun["results"], "fedavg": {"accuracy": 60.01}}}  # other uploads
+    (run / "summary.json").write_text(json.dumps(other))
+    assert main(["archive-merge", "fedhydra", str(run), "--methods", "coboosting", "--results", str(results)]) == 2
+    assert "did not run on the archived cell's uploads" in capsys.readouterr().err
+    assert json.loads((folder / f"{cfg['name']}.json").read_text()) == merged  # refused: nothing written
+    assert main(["archive-merge", "fedhydra", str(tmp_path / "none"), "--methods", "coboosting",
+                 "--results", str(results)]) == 2
+    assert "summary.json: missing" in capsys.readouterr().err

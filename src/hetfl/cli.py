@@ -244,6 +244,20 @@ def cmd_archive_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_archive_merge(args: argparse.Namespace) -> int:
+    from hetfl.reproduce.common import archive_folder, merge_cell_methods
+
+    results = Path(args.results or f"docs/results/{args.paper}.md")
+    folder = archive_folder(results) / args.folder if args.folder else archive_folder(results)
+    methods = [m for m in args.methods.split(",") if m]
+    for run in args.cells:
+        target, merged = merge_cell_methods(Path(run), methods, folder)
+        print(f"merged {', '.join(merged)} of {run} into {target}")
+    print(f"rewrite the report with `hetfl reproduce {args.paper} --report-only --out <empty folder> "
+          f"--results {results}`")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from hetfl.status import run_folders, run_status, status_table
 
@@ -391,6 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
     arc.add_argument("--curve", default=None, help="curve file name (default <cell>-<method>-cpu.jsonl)")
     arc.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     arc.set_defaults(func=cmd_archive_run)
+
+    mrg = sub.add_parser("archive-merge", help="merge methods re-run in `hetfl reproduce` cells (e.g. after a "
+                         "change of their defaults) into the archived cells of the same uploads; the result each "
+                         "replaces is kept in the cell's `replaced` and reported beside it")
+    mrg.add_argument("paper", choices=["fedhydra", "fedmho"])
+    mrg.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
+    mrg.add_argument("--methods", required=True, help="comma-separated methods to merge (each at the cell's config)")
+    mrg.add_argument("--folder", default="one-cache", help="archive subfolder of the cells (default one-cache; "
+                     "'' for the archive itself)")
+    mrg.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
+    mrg.set_defaults(func=cmd_archive_merge)
 
     st = sub.add_parser("status", help="where a run stands: steps logged, last and best accuracy, the step "
                         "its checkpoint holds and the time the rest takes, per method")

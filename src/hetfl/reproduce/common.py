@@ -163,7 +163,9 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     missing = [m for m in methods if m not in summary["results"]]
     if missing:
         raise ValueError(f"{missing} not in the summary's results {sorted(summary['results'])}")
-    if not same_uploads(archived, {**summary, "results": {m: summary["results"][m] for m in methods}}):
+    merged = {**summary, "results": {m: summary["results"][m] for m in methods}}
+    # by digests where both recorded them; else FedAvg and the ensemble, which the merged methods lack
+    if not same_uploads(archived, merged if method_digests(archived) and method_digests(merged) else summary):
         raise ValueError(f"{archived_file.name}: the summary did not run on the archived cell's uploads "
                          "(setting or uploads_sha256 differ)")
     for m in methods:
@@ -182,6 +184,21 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
         archived["curves"].update(logged_curves(metrics, tuple(methods)))
     write_json_atomic(archived_file, archived)
     return methods
+
+
+def merge_cell_methods(run: Path, methods: list[str], folder: Path) -> tuple[Path, list[str]]:
+    """:func:`merge_methods` of ``methods`` from the cell ``run`` (a `hetfl reproduce` cell folder: its
+    summary.json and metrics.jsonl) into the archived cell of the same name in ``folder``; ValueError
+    naming what is missing. Returns the archived file and the merged methods."""
+    summary_file = run / "summary.json"
+    if not summary_file.is_file():
+        raise ValueError(f"{summary_file}: missing (the cell has not finished)")
+    summary = json.loads(summary_file.read_text())
+    target = folder / f"{summary['config']['name']}.json"
+    if not target.is_file():
+        raise ValueError(f"{target}: no archived cell named {summary['config']['name']}")
+    metrics = run / "metrics.jsonl"
+    return target, merge_methods(target, summary, methods, metrics if metrics.is_file() else None)
 
 
 CURVE_RUNS = "paper-server-curves"  # archive subfolder of runs measured apart from a cell (its runs.json lists them)
