@@ -1702,26 +1702,40 @@ def test_replaced_report_sets_a_merged_rerun_beside_the_result_it_replaced(tmp_p
     folder = tmp_path / "one-cache"
     folder.mkdir()
     new_params = {"grad_clip": 10.0, "generator_grad_clip": 10.0, "pool_shuffle": True}
-    for seed, (old, new) in enumerate(((40.0, 45.0), (50.0, 48.0))):
-        cfg = {"name": f"fedhydra-mnist-2cc-s{seed}-reduced-t60", "dataset": "mnist", "seed": seed, "clients": 5,
-               "partition": {"kind": "shards"}, "client": {"model": "cnn2"}, "server": {"model": "cnn2"},
-               "methods": {"fedavg": {}, "coboosting": {"epochs": 60}}}
-        digest = {"uploads_sha256": f"d{seed}"}
+    runs = (("2cc", 1, 50.0, 48.0), ("2cc", 0, 40.0, 45.0), ("0.5", 0, 70.0, 80.0))  # (setting, seed, old, new)
+    for setting, seed, old, new in runs:
+        cfg = {"name": f"fedhydra-mnist-{setting}-s{seed}-reduced-t60", "dataset": "mnist", "seed": seed,
+               "clients": 5, "partition": {"kind": setting}, "client": {"model": "cnn2"},
+               "server": {"model": "cnn2"}, "methods": {"fedavg": {}, "coboosting": {"epochs": 60}}}
+        digest = {"uploads_sha256": f"d{seed}{setting}"}
         cell = {"config": cfg, "results": {"fedavg": {"accuracy": 20.0, **digest},
+                                           "ours": {"accuracy": 60.0, "best_accuracy": 61.0 + seed, **digest},
                                            "coboosting": {"accuracy": old - 1, "best_accuracy": old, **digest}}}
         (folder / f"{cfg['name']}.json").write_text(json.dumps(cell))
         rerun = {"config": cfg, "results": {"coboosting": {"accuracy": new - 2, "best_accuracy": new,
                                                            "params": new_params, **digest}}}
         merge_methods(folder / f"{cfg['name']}.json", rerun, ["coboosting"])
+    (folder / "partial").mkdir()  # a summary kept apart is not read
+    (folder / "partial" / "x.json").write_text(json.dumps({**cell, "replaced": {"coboosting": []}}))
     rows = replaced_rows(tmp_path)
-    assert [(r["cell"], r["before"]["best_accuracy"], r["after"]["best_accuracy"], r["older"]) for r in rows] == [
-        ("fedhydra-mnist-2cc-s0-reduced-t60", 40.0, 45.0, True),
-        ("fedhydra-mnist-2cc-s1-reduced-t60", 50.0, 48.0, True)]
-    text = replaced_report(tmp_path, {"coboosting": "Co-Boosting"}, ("reduced", "reduced-t60"))
-    assert ("| `reduced-t60` | fedhydra-mnist-2cc-s0-reduced-t60 | Co-Boosting | 40.00 (39.00) † | 45.00 (43.00) | "
-            "+5.00 | +4.00 |") in text
-    assert "| `reduced-t60` | **mean of 2** (best higher in 1) | Co-Boosting | | | **+1.50** | **+0.50** |" in text
-    assert "### Per cell and method" in text and "\n† Co-Boosting without" in text
+    assert sorted((r["setting"], r["seed"], r["before"]["best_accuracy"], r["after"]["best_accuracy"], r["older"])
+                  for r in rows) == [("mnist-0.5", 0, 70.0, 80.0, True), ("mnist-2cc", 0, 40.0, 45.0, True),
+                                     ("mnist-2cc", 1, 50.0, 48.0, True)]
+    text = replaced_report(tmp_path, {"coboosting": "Co-Boosting", "ours": "Ours"}, ("reduced", "reduced-t60"),
+                           against="ours")
+    table = [line for line in text.splitlines() if line.startswith("| `")]
+    assert table == [
+        "| `reduced-t60` | fedhydra-mnist-0.5-s0-reduced-t60 | Co-Boosting | 70.00 (69.00) † | 80.00 (78.00) | "
+        "+10.00 | +9.00 | 61.00 |",
+        "| `reduced-t60` | fedhydra-mnist-2cc-s0-reduced-t60 | Co-Boosting | 40.00 (39.00) † | 45.00 (43.00) | "
+        "+5.00 | +4.00 | 61.00 |",
+        "| `reduced-t60` | fedhydra-mnist-2cc-s1-reduced-t60 | Co-Boosting | 50.00 (49.00) † | 48.00 (46.00) | "
+        "-2.00 | -3.00 | 62.00 |",
+        "| `reduced-t60` | **mnist-2cc, mean of 2** (best higher in 1) | Co-Boosting | 45.00 | 46.50 | **+1.50** | "
+        "**+0.50** | 61.50 n=2 |",
+        "| `reduced-t60` | **all, mean of 3** (best higher in 2) | Co-Boosting | 53.33 | 57.67 | **+4.33** | "
+        "**+3.33** | 61.33 n=3 |"]
+    assert "| Ours, best |" in text and "### Per cell and method" in text and "\n† Co-Boosting without" in text
 
 
 def test_archive_merge_command_merges_a_rerun_cell_and_refuses_other_uploads(tmp_path, capsys):

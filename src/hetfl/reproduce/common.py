@@ -430,11 +430,12 @@ the cells listed."""
 
 def replaced_rows(archive: Path) -> list[dict[str, Any]]:
     """One row per method result replaced in an archived cell (the cell's ``replaced``, written by
-    :func:`merge_methods`) in ``archive`` and its subfolders: cell name, method, the earlier and the
-    current result, and whether the earlier one ran the older defaults (:func:`older_defaults`)."""
+    :func:`merge_methods`) in ``archive`` and its subfolders: cell name, its setting (the short name
+    without the seed: ``fmnist-0.5``) and seed, method, the earlier and the current result, whether the
+    earlier one ran the older defaults (:func:`older_defaults`), and the cell's other ``results``."""
     rows = []
     for p in sorted(archive.rglob("*.json")):
-        if p.parent.name == PARTIAL or p.parent.parent.name == PARTIAL:
+        if PARTIAL in p.relative_to(archive).parts:
             continue
         try:
             cell = json.loads(p.read_text())
@@ -442,16 +443,39 @@ def replaced_rows(archive: Path) -> list[dict[str, Any]]:
             continue
         if not isinstance(cell, dict) or not isinstance(cell.get("replaced"), dict):
             continue
+        name, seed = cell["config"]["name"], cell["config"]["seed"]
+        setting = cell_label(name, seed).removesuffix(f"-s{seed}")
         for method, earlier in cell["replaced"].items():
             for old in earlier:
-                rows.append({"cell": cell["config"]["name"], "method": method, "before": old["result"],
-                             "after": cell["results"][method], "older": older_defaults(method, old["result"])})
+                rows.append({"cell": name, "setting": setting, "seed": seed, "method": method,
+                             "before": old["result"], "after": cell["results"][method],
+                             "older": older_defaults(method, old["result"]), "results": cell["results"]})
     return rows
 
 
-def replaced_report(archive: Path, labels: dict[str, str], budgets: Iterable[str]) -> str:
-    """Markdown section on :func:`replaced_rows` ("" when there are none), cells grouped by the budget
-    their name ends in (``budgets``, longest match first), each group closed by its mean row."""
+def _best(r: dict[str, Any]) -> float:
+    return r.get("best_accuracy", r["accuracy"])
+
+
+def _replaced_line(budget: str, what: str, name: str, group: list[dict[str, Any]], against: str | None) -> str:
+    """The mean row of ``group`` (:func:`replaced_report`)."""
+    d_best = statistics.fmean(_best(r["after"]) - _best(r["before"]) for r in group)
+    d_final = statistics.fmean(r["after"]["accuracy"] - r["before"]["accuracy"] for r in group)
+    higher = sum(_best(r["after"]) > _best(r["before"]) for r in group)
+    cols = [f"`{budget}`", f"**{what}, mean of {len(group)}** (best higher in {higher})", name,
+            f"{statistics.fmean(_best(r['before']) for r in group):.2f}",
+            f"{statistics.fmean(_best(r['after']) for r in group):.2f}", f"**{d_best:+.2f}**", f"**{d_final:+.2f}**"]
+    if against is not None:
+        theirs = [_best(r["results"][against]) for r in group if against in r["results"]]
+        cols.append(f"{statistics.fmean(theirs):.2f} n={len(theirs)}" if theirs else "-")
+    return "| " + " | ".join(cols) + " |"
+
+
+def replaced_report(archive: Path, labels: dict[str, str], budgets: Iterable[str], against: str | None = None) -> str:
+    """Markdown section on :func:`replaced_rows` ("" when there are none): per budget (the one a cell's
+    name ends in, longest match first) and method, each setting's cells by seed and their mean row, and
+    the mean over all of them where there are several settings; with ``against`` a last column gives
+    that method's best-over-epochs accuracy in the same cells (say, ours beside the re-run baseline)."""
     rows = replaced_rows(archive)
     if not rows:
         return ""
@@ -460,30 +484,34 @@ def replaced_report(archive: Path, labels: dict[str, str], budgets: Iterable[str
         return next((b for b in sorted(budgets, key=len, reverse=True) if name.endswith(f"-{b}")), "other")
 
     def acc(r: dict[str, Any]) -> str:
-        return f"{r.get('best_accuracy', r['accuracy']):.2f} ({r['accuracy']:.2f})"
+        return f"{_best(r):.2f} ({r['accuracy']:.2f})"
 
-    def best(r: dict[str, Any]) -> float:
-        return r.get("best_accuracy", r["accuracy"])
-
+    head = "| budget | cell | method | before | after | Δ best | Δ final |"
+    rule = "|---|---|---|---|---|---|---|"
+    if against is not None:
+        head, rule = head + f" {labels.get(against, against)}, best |", rule + "---|"
     lines = ["## Results re-run after a change of defaults (same uploads)", "",
-             REPLACED_INTRO.format(mark=OLDER_MARK), "", "### Per cell and method", "",
-             "| budget | cell | method | before | after | Δ best | Δ final |", "|---|---|---|---|---|---|---|"]
+             REPLACED_INTRO.format(mark=OLDER_MARK), "", "### Per cell and method", "", head, rule]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["setting"], r["seed"])):
         groups.setdefault((budget_of(r["cell"]), r["method"]), []).append(r)
     for (budget, method), group in sorted(groups.items()):
         name = labels.get(method, method)
-        for r in group:
-            mark = f" {OLDER_MARK}" if r["older"] else ""
-            lines.append(f"| `{budget}` | {r['cell']} | {name} | {acc(r['before'])}{mark} | {acc(r['after'])} | "
-                         f"{best(r['after']) - best(r['before']):+.2f} | "
-                         f"{r['after']['accuracy'] - r['before']['accuracy']:+.2f} |")
-        if len(group) > 1:
-            d_best = statistics.fmean(best(r["after"]) - best(r["before"]) for r in group)
-            d_final = statistics.fmean(r["after"]["accuracy"] - r["before"]["accuracy"] for r in group)
-            higher = sum(best(r["after"]) > best(r["before"]) for r in group)
-            lines.append(f"| `{budget}` | **mean of {len(group)}** (best higher in {higher}) | {name} | | | "
-                         f"**{d_best:+.2f}** | **{d_final:+.2f}** |")
+        settings = list(dict.fromkeys(r["setting"] for r in group))
+        for setting in settings:
+            these = [r for r in group if r["setting"] == setting]
+            for r in these:
+                mark = f" {OLDER_MARK}" if r["older"] else ""
+                cols = [f"`{budget}`", r["cell"], name, f"{acc(r['before'])}{mark}", acc(r["after"]),
+                        f"{_best(r['after']) - _best(r['before']):+.2f}",
+                        f"{r['after']['accuracy'] - r['before']['accuracy']:+.2f}"]
+                if against is not None:
+                    cols.append(f"{_best(r['results'][against]):.2f}" if against in r["results"] else "-")
+                lines.append("| " + " | ".join(cols) + " |")
+            if len(these) > 1:
+                lines.append(_replaced_line(budget, setting, name, these, against))
+        if len(settings) > 1:
+            lines.append(_replaced_line(budget, "all", name, group, against))
     marked = sorted({r["method"] for r in rows if r["older"]})
     return "\n".join(lines + older_footnotes(marked))
 

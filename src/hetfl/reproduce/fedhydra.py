@@ -956,7 +956,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
             figures = plot_client_sweep(cells, path, budget)
             bodies.append(body + "\n\n" + "\n\n".join(f"![{f.stem}]({f.name})" for f in figures))
     bodies.append(common.partial_report(archive, LABELS))
-    bodies.append(common.replaced_report(archive, LABELS, BUDGETS))
+    bodies.append(common.replaced_report(archive, LABELS, BUDGETS, against=VARIANT))
     common.write_results(path, HEADER, bodies, notes)
 
 
