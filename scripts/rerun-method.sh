@@ -1,0 +1,42 @@
+#!/bin/bash
+# Re-run one or more methods on archived reproduction cells, on the cells' own uploads, and merge the
+# new results into them (the earlier results stay in each cell's `replaced`; the report sets the two
+# side by side). For a method whose defaults changed (say Co-Boosting's clips, fifty-ninth session).
+#
+#   PAPER=fedhydra BUDGET=reduced-t60-g30 METHODS=coboosting bash scripts/rerun-method.sh fmnist:0.5:0 mnist:2c/c:1
+#
+# Each cell (dataset:setting:seed) runs `hetfl reproduce` with FedAvg and METHODS into OUT and CACHE:
+# the clients retrain from the cell's seeds, to byte-identical uploads where the torch thread count
+# and the CPU kind are those of the archived run (the archived summary's `environment`; THREADS,
+# default 2). `hetfl archive-merge` then refuses a cell whose uploads differ (digests, else FedAvg and
+# the ensemble to the last digit), and the loop goes on with the next cell.
+# Two of these side by side on 2 cores: OMP_WAIT_POLICY=PASSIVE (set here) keeps the waiting OpenMP
+# threads of one from spinning on the cores the other needs (without it, measured: one of the two
+# ran 6x slower). A cell whose folder exists in OUT is skipped (another loop started it) unless
+# FORCE=1 (to resume a stopped one from its checkpoint).
+#
+# Environment: PAPER (fedhydra or fedmho; default fedhydra), BUDGET (required), METHODS (required,
+# comma-separated), FOLDER (archive subfolder of the cells: default one-cache for fedhydra, none for
+# fedmho), OUT (default runs/rerun-<budget>), CACHE (default cache/rerun), THREADS, FORCE.
+set -u
+cd "$(dirname "$0")/.."
+PAPER=${PAPER:-fedhydra}
+: "${BUDGET:?BUDGET is required}" "${METHODS:?METHODS is required}"
+if [ "$PAPER" = fedhydra ]; then FOLDER=${FOLDER-one-cache}; else FOLDER=${FOLDER-}; fi
+OUT=${OUT:-runs/rerun-$BUDGET}
+CACHE=${CACHE:-cache/rerun}
+export OMP_NUM_THREADS=${THREADS:-2} OMP_WAIT_POLICY=PASSIVE
+for cell in "$@"; do
+  IFS=: read -r ds setting seed <<< "$cell"
+  tag=$setting; [ "$setting" = "2c/c" ] && tag=2cc
+  [ "$PAPER" = fedmho ] && tag=a$setting
+  name=$PAPER-$ds-$tag-s$seed-$BUDGET
+  if [ -z "${FORCE:-}" ] && [ -e "$OUT/$name" ]; then echo "$(date +%T) skip $cell ($OUT/$name exists)"; continue; fi
+  echo "$(date +%T) start $cell"
+  .venv/bin/hetfl reproduce "$PAPER" --budget "$BUDGET" --datasets "$ds" --settings "$setting" --seeds "$seed" \
+    --methods "fedavg,$METHODS" --device cpu --out "$OUT" --cache-dir "$CACHE" \
+    --results "$OUT/$PAPER.md" --quiet || { echo "$(date +%T) failed $cell"; continue; }
+  .venv/bin/hetfl archive-merge "$PAPER" "$OUT/$name" --methods "$METHODS" --folder "$FOLDER" \
+    || echo "$(date +%T) not merged: $cell"
+  echo "$(date +%T) done $cell"
+done
