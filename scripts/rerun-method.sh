@@ -17,9 +17,10 @@
 #
 # Environment: PAPER (fedhydra or fedmho; default fedhydra), BUDGET (required), METHODS (required,
 # comma-separated), FOLDER (archive subfolder of the cells: default one-cache for fedhydra, none for
-# fedmho), OUT (default runs/rerun-<budget>), CACHE (default cache/rerun), THREADS, FORCE.
+# fedmho), OUT (default runs/rerun-<budget>), CACHE (default cache/rerun), THREADS, FORCE, HETFL (the
+# command; default .venv/bin/hetfl; run from the repository root).
 set -u
-cd "$(dirname "$0")/.."
+HETFL=${HETFL:-.venv/bin/hetfl}
 PAPER=${PAPER:-fedhydra}
 : "${BUDGET:?BUDGET is required}" "${METHODS:?METHODS is required}"
 if [ "$PAPER" = fedhydra ]; then FOLDER=${FOLDER-one-cache}; else FOLDER=${FOLDER-}; fi
@@ -33,10 +34,10 @@ for cell in "$@"; do
   name=$PAPER-$ds-$tag-s$seed-$BUDGET
   if [ -z "${FORCE:-}" ] && [ -e "$OUT/$name" ]; then echo "$(date +%T) skip $cell ($OUT/$name exists)"; continue; fi
   echo "$(date +%T) start $cell"
-  .venv/bin/hetfl reproduce "$PAPER" --budget "$BUDGET" --datasets "$ds" --settings "$setting" --seeds "$seed" \
+  $HETFL reproduce "$PAPER" --budget "$BUDGET" --datasets "$ds" --settings "$setting" --seeds "$seed" \
     --methods "fedavg,$METHODS" --device cpu --out "$OUT" --cache-dir "$CACHE" \
     --results "$OUT/$PAPER.md" --quiet || { echo "$(date +%T) failed $cell"; continue; }
-  .venv/bin/hetfl archive-merge "$PAPER" "$OUT/$name" --methods "$METHODS" --folder "$FOLDER" \
+  $HETFL archive-merge "$PAPER" "$OUT/$name" --methods "$METHODS" --folder "$FOLDER" \
     || echo "$(date +%T) not merged: $cell"
   echo "$(date +%T) done $cell"
 done

@@ -231,3 +231,33 @@ def test_batch_clients_benchmark_reports_both_ways(tmp_path):
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["clients"] == 2 and row["device"] == "cpu" and row["alone_s"] > 0 and row["grouped_s"] > 0
     assert row["speedup"] == round(row["alone_s"] / row["grouped_s"], 2)
+
+
+RERUN = SCRIPT.with_name("rerun-method.sh")
+
+
+def test_rerun_script_runs_fedavg_and_the_methods_then_merges_and_skips_started_cells(tmp_path):
+    assert subprocess.run(["bash", "-n", str(RERUN)]).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("BUDGET", "METHODS", "FORCE")}
+    done = subprocess.run(["bash", str(RERUN), "mnist:0.5:0"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode != 0 and "BUDGET is required" in done.stderr
+    env = {**env, "BUDGET": "reduced-t60", "METHODS": "coboosting", "HETFL": "echo", "OUT": "runs/x"}
+    (tmp_path / "runs" / "x" / "fedhydra-mnist-2cc-s1-reduced-t60").mkdir(parents=True)  # started elsewhere
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.5:0", "mnist:2c/c:1"], cwd=tmp_path, capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert ("reproduce fedhydra --budget reduced-t60 --datasets fmnist --settings 0.5 --seeds 0 --methods "
+            "fedavg,coboosting --device cpu --out runs/x --cache-dir cache/rerun --results runs/x/fedhydra.md") in out
+    assert ("archive-merge fedhydra runs/x/fedhydra-fmnist-0.5-s0-reduced-t60 --methods coboosting --folder one-cache"
+            in out)
+    assert "skip mnist:2c/c:1 (runs/x/fedhydra-mnist-2cc-s1-reduced-t60 exists)" in out and "--settings 2c/c" not in out
+    done = subprocess.run(["bash", str(RERUN), "mnist:2c/c:1"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "FORCE": "1"}, timeout=60)
+    assert "--datasets mnist --settings 2c/c --seeds 1" in done.stdout  # resumed on request
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "PAPER": "fedmho"}, timeout=60)
+    assert "archive-merge fedmho runs/x/fedmho-fmnist-a0.1-s2-reduced-t60 --methods coboosting --folder" in done.stdout
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2", "fmnist:0.1:1"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "HETFL": "false"}, timeout=60)
+    assert done.stdout.count(" failed fmnist:0.1:") == 2  # a failed cell does not stop the others
