@@ -424,8 +424,8 @@ def older_note(methods: Iterable[str], cells: list[dict[str, Any]]) -> list[str]
 REPLACED_INTRO = """Results merged into archived cells on the cells' own uploads (`merge_methods`: the same
 upload digests, or FedAvg and the ensemble to the last digit), replacing an earlier result of the same
 method: after a change of its defaults (marked {mark} where the earlier one ran them), the earlier and
-the new result side by side. Best over epochs % (final %); the mean row per budget and method is over
-the cells listed."""
+the new result side by side. Best over epochs % (final %); a setting's seeds are followed by their
+mean row, and a budget's method re-run in several settings by the mean over all its cells."""
 
 
 def replaced_rows(archive: Path) -> list[dict[str, Any]]:
