@@ -8,8 +8,11 @@
 # Each cell (dataset:setting:seed) runs `hetfl reproduce` with FedAvg and METHODS into OUT and CACHE:
 # the clients retrain from the cell's seeds, to byte-identical uploads where the torch thread count
 # and the CPU kind are those of the archived run (the archived summary's `environment`; THREADS,
-# default 2). `hetfl archive-merge` then refuses a cell whose uploads differ (digests, else FedAvg and
-# the ensemble to the last digit), and the loop goes on with the next cell.
+# default 2). `hetfl archive-check` first skips a cell whose archived environment names another
+# processor, torch or thread count (measured: an AMD EPYC cell retrained on an Intel Xeon gave other
+# uploads, found only by the merge after 26 min; FORCE_CPU=1 runs it anyway). `hetfl archive-merge`
+# then refuses a cell whose uploads differ (digests, else FedAvg and the ensemble to the last digit),
+# and the loop goes on with the next cell.
 # Two of these side by side on 2 cores: OMP_WAIT_POLICY=PASSIVE (set here) keeps the waiting OpenMP
 # threads of one from spinning on the cores the other needs (without it, measured: one of the two
 # ran 6x slower). A cell whose folder exists in OUT is skipped (another loop started it) unless
@@ -17,7 +20,7 @@
 #
 # Environment: PAPER (fedhydra or fedmho; default fedhydra), BUDGET (required), METHODS (required,
 # comma-separated), FOLDER (archive subfolder of the cells: default one-cache for fedhydra, none for
-# fedmho), OUT (default runs/rerun-<budget>), CACHE (default cache/rerun), THREADS, FORCE, HETFL (the
+# fedmho), OUT (default runs/rerun-<budget>), CACHE (default cache/rerun), THREADS, FORCE, FORCE_CPU, HETFL (the
 # command; default .venv/bin/hetfl; run from the repository root).
 set -u
 HETFL=${HETFL:-.venv/bin/hetfl}
@@ -33,6 +36,10 @@ for cell in "$@"; do
   [ "$PAPER" = fedmho ] && tag=a$setting
   name=$PAPER-$ds-$tag-s$seed-$BUDGET
   if [ -z "${FORCE:-}" ] && [ -e "$OUT/$name" ]; then echo "$(date +%T) skip $cell ($OUT/$name exists)"; continue; fi
+  if [ -z "${FORCE_CPU:-}" ] && ! $HETFL archive-check "$PAPER" "$name" --folder "$FOLDER"; then
+    echo "$(date +%T) skip $cell (clients retrained here would not give its uploads; FORCE_CPU=1 runs it anyway)"
+    continue
+  fi
   echo "$(date +%T) start $cell"
   $HETFL reproduce "$PAPER" --budget "$BUDGET" --datasets "$ds" --settings "$setting" --seeds "$seed" \
     --methods "fedavg,$METHODS" --device cpu --out "$OUT" --cache-dir "$CACHE" \

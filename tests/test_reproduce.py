@@ -1770,3 +1770,35 @@ def test_archive_merge_command_merges_a_rerun_cell_and_refuses_other_uploads(tmp
     assert main(["archive-merge", "fedhydra", str(tmp_path / "none"), "--methods", "coboosting",
                  "--results", str(results)]) == 2
     assert "summary.json: missing" in capsys.readouterr().err
+
+
+def test_retrain_mismatch_names_the_recorded_differences_and_ignores_unrecorded_ones():
+    from hetfl.reproduce.common import retrain_mismatch
+
+    here = {"device": "cpu", "cpu": "Intel(R) Xeon(R) Processor", "torch": "2.13.0+cpu", "threads": 2}
+    assert retrain_mismatch({**here, "python": "3.10"}, here) is None  # other keys do not matter
+    assert retrain_mismatch({"device": "cpu", "threads": 2}, here) is None  # no cpu recorded: cannot tell
+    assert retrain_mismatch({**here, "cpu": "AMD EPYC"}, here) == "cpu 'AMD EPYC' here 'Intel(R) Xeon(R) Processor'"
+    both = retrain_mismatch({**here, "threads": 1, "torch": "2.12.0"}, here)
+    assert both == "torch '2.12.0' here '2.13.0+cpu'; threads 1 here 2"
+
+
+def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_cell(tmp_path, capsys):
+    import torch
+
+    from hetfl.cli import main
+    from hetfl.engine.simulator import processor_name
+
+    folder = tmp_path / "fedhydra-runs" / "one-cache"
+    folder.mkdir(parents=True)
+    here = {"device": "cpu", "cpu": processor_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    (folder / "same.json").write_text(json.dumps({"environment": here}))
+    (folder / "old.json").write_text(json.dumps({"environment": {"threads": here["threads"]}}))
+    (folder / "amd.json").write_text(json.dumps({"environment": {**here, "cpu": "some other CPU"}}))
+    results = ["--results", str(tmp_path / "fedhydra.md")]
+    assert main(["archive-check", "fedhydra", "same", "old", *results]) == 0
+    assert capsys.readouterr().out == "same: no recorded difference\nold: no recorded difference\n"
+    assert main(["archive-check", "fedhydra", "same", "amd", *results]) == 1
+    assert "amd: other uploads here (cpu 'some other CPU' here " in capsys.readouterr().out
+    assert main(["archive-check", "fedhydra", "none", *results]) == 2
+    assert "no archived cell named none" in capsys.readouterr().err

@@ -259,5 +259,16 @@ def test_rerun_script_runs_fedavg_and_the_methods_then_merges_and_skips_started_
                           env={**env, "PAPER": "fedmho"}, timeout=60)
     assert "archive-merge fedmho runs/x/fedmho-fmnist-a0.1-s2-reduced-t60 --methods coboosting --folder" in done.stdout
     done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2", "fmnist:0.1:1"], cwd=tmp_path, capture_output=True,
-                          text=True, env={**env, "HETFL": "false"}, timeout=60)
+                          text=True, env={**env, "HETFL": "false", "FORCE_CPU": "1"}, timeout=60)
     assert done.stdout.count(" failed fmnist:0.1:") == 2  # a failed cell does not stop the others
+    fake = tmp_path / "fake-hetfl"  # archive-check says the second cell ran on another processor
+    fake.write_text('#!/bin/bash\n[ "$1" = archive-check ] && [[ "$3" == *s1* ]] && exit 1\necho "$@"\n')
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2", "fmnist:0.1:1"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "HETFL": str(fake)}, timeout=60)
+    assert "archive-check fedhydra fedhydra-fmnist-0.1-s2-reduced-t60 --folder one-cache" in done.stdout
+    assert "--settings 0.1 --seeds 2" in done.stdout and "--seeds 1" not in done.stdout
+    assert "skip fmnist:0.1:1 (clients retrained here would not give its uploads" in done.stdout
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:1"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**env, "HETFL": str(fake), "FORCE_CPU": "1"}, timeout=60)
+    assert "--settings 0.1 --seeds 1" in done.stdout and "archive-check" not in done.stdout

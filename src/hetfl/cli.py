@@ -258,6 +258,21 @@ def cmd_archive_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_archive_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from hetfl.engine.simulator import processor_name
+    from hetfl.reproduce.common import archive_folder, check_retrain
+
+    results = Path(args.results or f"docs/results/{args.paper}.md")
+    folder = archive_folder(results) / args.folder if args.folder else archive_folder(results)
+    here = {"device": "cpu", "cpu": processor_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    found = check_retrain(folder, args.cells, here)
+    for name, why in found.items():
+        print(f"{name}: " + (f"other uploads here ({why})" if why else "no recorded difference"))
+    return 1 if any(found.values()) else 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from hetfl.status import run_folders, run_status, status_table
 
@@ -416,6 +431,17 @@ def build_parser() -> argparse.ArgumentParser:
                      "'' for the archive itself)")
     mrg.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     mrg.set_defaults(func=cmd_archive_merge)
+
+    chk = sub.add_parser("archive-check", help="whether clients retrained here (CPU, this torch, OMP_NUM_THREADS) "
+                         "would upload the named archived cells' models byte for byte, before a re-run spends "
+                         "hours on other uploads: exit 1 where a cell recorded another processor, torch or "
+                         "thread count")
+    chk.add_argument("paper", choices=["fedhydra", "fedmho"])
+    chk.add_argument("cells", nargs="+", help="archived cell names, e.g. fedhydra-mnist-0.1-s0-reduced-t60-g30")
+    chk.add_argument("--folder", default="one-cache", help="archive subfolder of the cells (default one-cache; "
+                     "'' for the archive itself)")
+    chk.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
+    chk.set_defaults(func=cmd_archive_check)
 
     st = sub.add_parser("status", help="where a run stands: steps logged, last and best accuracy, the step "
                         "its checkpoint holds and the time the rest takes, per method")

@@ -201,6 +201,34 @@ def merge_cell_methods(run: Path, methods: list[str], folder: Path) -> tuple[Pat
     return target, merge_methods(target, summary, methods, metrics if metrics.is_file() else None)
 
 
+# what decides whether clients retrained from a cell's seeds upload its models byte for byte (kernels
+# and their reduction order differ between processors, torch builds and thread counts)
+RETRAIN_KEYS = ("device", "cpu", "torch", "threads")
+
+
+def retrain_mismatch(archived_env: dict[str, Any], here: dict[str, Any]) -> str | None:
+    """Why clients retrained in the environment ``here`` (a summary's ``environment``) would not give
+    the uploads of an archived cell that ran in ``archived_env``: the :data:`RETRAIN_KEYS` the two
+    both record and on which they differ, e.g. ``"cpu 'AMD EPYC' here 'Intel(R) Xeon(R) Processor'"``;
+    None where they agree or the cell did not record them (runs before the field, where only
+    :func:`merge_methods`' digest check, after the run, can tell)."""
+    diffs = [f"{k} {archived_env[k]!r} here {here[k]!r}" for k in RETRAIN_KEYS
+             if archived_env.get(k) is not None and here.get(k) is not None and archived_env[k] != here[k]]
+    return "; ".join(diffs) or None
+
+
+def check_retrain(folder: Path, names: Iterable[str], here: dict[str, Any]) -> dict[str, str | None]:
+    """:func:`retrain_mismatch` for each archived cell ``folder/<name>.json``, by name; ValueError
+    naming a cell that is not archived."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        cell = folder / f"{name}.json"
+        if not cell.is_file():
+            raise ValueError(f"{cell}: no archived cell named {name}")
+        out[name] = retrain_mismatch(json.loads(cell.read_text()).get("environment", {}), here)
+    return out
+
+
 CURVE_RUNS = "paper-server-curves"  # archive subfolder of runs measured apart from a cell (its runs.json lists them)
 
 
