@@ -1787,11 +1787,11 @@ def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_
     import torch
 
     from hetfl.cli import main
-    from hetfl.engine.simulator import processor_name
+    from hetfl.engine.simulator import run_environment
 
     folder = tmp_path / "fedhydra-runs" / "one-cache"
     folder.mkdir(parents=True)
-    here = {"device": "cpu", "cpu": processor_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    here = run_environment(torch.device("cpu"))  # what a CPU run's summary records
     (folder / "same.json").write_text(json.dumps({"environment": here}))
     (folder / "old.json").write_text(json.dumps({"environment": {"threads": here["threads"]}}))
     (folder / "amd.json").write_text(json.dumps({"environment": {**here, "cpu": "some other CPU"}}))

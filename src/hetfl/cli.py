@@ -244,11 +244,18 @@ def cmd_archive_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_archive_merge(args: argparse.Namespace) -> int:
-    from hetfl.reproduce.common import archive_folder, merge_cell_methods
+def _archive_subfolder(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The results file of ``args.paper`` (``--results``) and its archive subfolder ``--folder``."""
+    from hetfl.reproduce.common import archive_folder
 
     results = Path(args.results or f"docs/results/{args.paper}.md")
-    folder = archive_folder(results) / args.folder if args.folder else archive_folder(results)
+    return results, archive_folder(results) / args.folder if args.folder else archive_folder(results)
+
+
+def cmd_archive_merge(args: argparse.Namespace) -> int:
+    from hetfl.reproduce.common import merge_cell_methods
+
+    results, folder = _archive_subfolder(args)
     methods = [m for m in args.methods.split(",") if m]
     for run in args.cells:
         target, merged = merge_cell_methods(Path(run), methods, folder)
@@ -261,13 +268,11 @@ def cmd_archive_merge(args: argparse.Namespace) -> int:
 def cmd_archive_check(args: argparse.Namespace) -> int:
     import torch
 
-    from hetfl.engine.simulator import processor_name
-    from hetfl.reproduce.common import archive_folder, check_retrain
+    from hetfl.engine.simulator import run_environment
+    from hetfl.reproduce.common import check_retrain
 
-    results = Path(args.results or f"docs/results/{args.paper}.md")
-    folder = archive_folder(results) / args.folder if args.folder else archive_folder(results)
-    here = {"device": "cpu", "cpu": processor_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    found = check_retrain(folder, args.cells, here)
+    _, folder = _archive_subfolder(args)
+    found = check_retrain(folder, args.cells, run_environment(torch.device("cpu")))
     for name, why in found.items():
         print(f"{name}: " + (f"other uploads here ({why})" if why else "no recorded difference"))
     return 1 if any(found.values()) else 0

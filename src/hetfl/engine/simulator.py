@@ -497,17 +497,23 @@ class Simulator:
                             "class_counts": self.exp.partition.counts.tolist()}  # (clients, classes)
                            if self.exp.partition is not None else {})},
             "engine": self.engine_info,
-            "environment": {"hetfl": hetfl.__version__, "torch": torch.__version__,
-                            "device": str(self.exp.device), "threads": torch.get_num_threads(),
-                            "machine": platform.machine(), "python": platform.python_version(),
-                            "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                            "cpu_bf16": cpu_bf16_units(),
-                            "bf16_native": bf16_native(self.exp.device.type), "malloc": malloc_setting(),
-                            "flush_denormal": flush_denormal_setting(),
-                            "accelerator": accelerator_name(self.exp.device)},
+            "environment": run_environment(self.exp.device),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary
+
+
+def run_environment(device: torch.device) -> dict[str, Any]:
+    """What a summary records of the machine a run on ``device`` used (its ``environment``): versions,
+    thread count, processor and its bf16 units, allocator and denormal settings, accelerator."""
+    return {"hetfl": hetfl.__version__, "torch": torch.__version__,
+            "device": str(device), "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "python": platform.python_version(),
+            "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16": cpu_bf16_units(),
+            "bf16_native": bf16_native(device.type), "malloc": malloc_setting(),
+            "flush_denormal": flush_denormal_setting(),
+            "accelerator": accelerator_name(device)}
 
 
 def cpuinfo_value(key: str, cpuinfo: str | None = None) -> str | None:
