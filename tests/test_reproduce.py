@@ -1783,6 +1783,14 @@ def test_retrain_mismatch_names_the_recorded_differences_and_ignores_unrecorded_
     assert both == "torch '2.12.0' here '2.13.0+cpu'; threads 1 here 2"
 
 
+def test_unrecorded_lists_the_retrain_keys_an_archived_environment_lacks():
+    from hetfl.reproduce.common import RETRAIN_KEYS, unrecorded
+
+    assert unrecorded({k: "x" for k in RETRAIN_KEYS}) == []
+    assert unrecorded({"device": "cpu", "threads": 2, "torch": "2.13.0+cpu", "cpu": None}) == ["cpu"]
+    assert unrecorded({}) == list(RETRAIN_KEYS)
+
+
 def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_cell(tmp_path, capsys):
     import torch
 
@@ -1797,7 +1805,9 @@ def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_
     (folder / "amd.json").write_text(json.dumps({"environment": {**here, "cpu": "some other CPU"}}))
     results = ["--results", str(tmp_path / "fedhydra.md")]
     assert main(["archive-check", "fedhydra", "same", "old", *results]) == 0
-    assert capsys.readouterr().out == "same: no recorded difference\nold: no recorded difference\n"
+    assert capsys.readouterr().out == (
+        "same: same processor, torch and threads\nold: no recorded difference, but device, cpu, torch not "
+        "recorded: only the merge's upload check, after the run, can tell\n")
     assert main(["archive-check", "fedhydra", "same", "amd", *results]) == 1
     assert "amd: other uploads here (cpu 'some other CPU' here " in capsys.readouterr().out
     assert main(["archive-check", "fedhydra", "none", *results]) == 2

@@ -273,9 +273,15 @@ def cmd_archive_check(args: argparse.Namespace) -> int:
 
     _, folder = _archive_subfolder(args)
     found = check_retrain(folder, args.cells, run_environment(torch.device("cpu")))
-    for name, why in found.items():
-        print(f"{name}: " + (f"other uploads here ({why})" if why else "no recorded difference"))
-    return 1 if any(found.values()) else 0
+    for name, (why, missing) in found.items():
+        if why:
+            print(f"{name}: other uploads here ({why})")
+        elif missing:
+            print(f"{name}: no recorded difference, but {', '.join(missing)} not recorded: "
+                  "only the merge's upload check, after the run, can tell")
+        else:
+            print(f"{name}: same processor, torch and threads")
+    return 1 if any(why for why, _ in found.values()) else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

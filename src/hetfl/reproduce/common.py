@@ -217,15 +217,25 @@ def retrain_mismatch(archived_env: dict[str, Any], here: dict[str, Any]) -> str 
     return "; ".join(diffs) or None
 
 
-def check_retrain(folder: Path, names: Iterable[str], here: dict[str, Any]) -> dict[str, str | None]:
-    """:func:`retrain_mismatch` for each archived cell ``folder/<name>.json``, by name; ValueError
-    naming a cell that is not archived."""
-    out: dict[str, str | None] = {}
+def unrecorded(archived_env: dict[str, Any]) -> list[str]:
+    """The :data:`RETRAIN_KEYS` an archived cell's ``environment`` does not record: where any is
+    missing, :func:`retrain_mismatch` cannot tell before a re-run (measured: FedMHO's `reduced` cells
+    record no ``cpu``; retrained on this project's Intel Xeon VM they gave other uploads, FedAvg 27.71
+    against 27.76, sixty-third session)."""
+    return [k for k in RETRAIN_KEYS if archived_env.get(k) is None]
+
+
+def check_retrain(folder: Path, names: Iterable[str],
+                  here: dict[str, Any]) -> dict[str, tuple[str | None, list[str]]]:
+    """:func:`retrain_mismatch` and :func:`unrecorded` for each archived cell ``folder/<name>.json``,
+    by name; ValueError naming a cell that is not archived."""
+    out: dict[str, tuple[str | None, list[str]]] = {}
     for name in names:
         cell = folder / f"{name}.json"
         if not cell.is_file():
             raise ValueError(f"{cell}: no archived cell named {name}")
-        out[name] = retrain_mismatch(json.loads(cell.read_text()).get("environment", {}), here)
+        env = json.loads(cell.read_text()).get("environment", {})
+        out[name] = (retrain_mismatch(env, here), unrecorded(env))
     return out
 
 
