@@ -5,7 +5,8 @@
 #
 #   PAPER=fedhydra BUDGET=reduced-t60-g30 METHODS=coboosting bash scripts/rerun-method.sh fmnist:0.5:0 mnist:2c/c:1
 #
-# Each cell (dataset:setting:seed) runs `hetfl reproduce` with FedAvg and METHODS into OUT and CACHE:
+# Each cell (dataset:setting:seed, or dataset:setting:seed:clients for fedhydra's client-count sweep,
+# e.g. fmnist:0.5:0:10 for fedhydra-fmnist-0.5-m10-s0-<budget>) runs `hetfl reproduce` with FedAvg and METHODS into OUT and CACHE:
 # the clients retrain from the cell's seeds, to byte-identical uploads where the torch thread count
 # and the CPU kind are those of the archived run (the archived summary's `environment`; THREADS,
 # default 2). `hetfl archive-check` first skips a cell whose archived environment names another
@@ -33,8 +34,10 @@ OUT=${OUT:-runs/rerun-$BUDGET}
 CACHE=${CACHE:-cache/rerun}
 export OMP_NUM_THREADS=${THREADS:-2} OMP_WAIT_POLICY=PASSIVE
 for cell in "$@"; do
-  IFS=: read -r ds setting seed <<< "$cell"
+  IFS=: read -r ds setting seed clients <<< "$cell"
   tag=$setting; [ "$setting" = "2c/c" ] && tag=2cc
+  sweep=()
+  if [ -n "$clients" ] && [ "$clients" != 5 ]; then tag=$tag-m$clients; sweep=(--clients "$clients"); fi
   [ "$PAPER" = fedmho ] && tag=a$setting
   name=$PAPER-$ds-$tag-s$seed-$BUDGET
   if [ -z "${FORCE:-}" ] && [ -e "$OUT/$name" ]; then echo "$(date +%T) skip $cell ($OUT/$name exists)"; continue; fi
@@ -43,7 +46,7 @@ for cell in "$@"; do
     continue
   fi
   echo "$(date +%T) start $cell"
-  $HETFL reproduce "$PAPER" --budget "$BUDGET" --datasets "$ds" --settings "$setting" --seeds "$seed" \
+  $HETFL reproduce "$PAPER" --budget "$BUDGET" --datasets "$ds" --settings "$setting" --seeds "$seed" "${sweep[@]}" \
     --methods "fedavg,$METHODS" --device cpu --out "$OUT" --cache-dir "$CACHE" \
     --results "$OUT/$PAPER.md" --quiet || { echo "$(date +%T) failed $cell"; continue; }
   $HETFL archive-merge "$PAPER" "$OUT/$name" --methods "$METHODS" --folder "$FOLDER" \

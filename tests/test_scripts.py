@@ -255,6 +255,11 @@ def test_rerun_script_runs_fedavg_and_the_methods_then_merges_and_skips_started_
     done = subprocess.run(["bash", str(RERUN), "mnist:2c/c:1"], cwd=tmp_path, capture_output=True, text=True,
                           env={**env, "FORCE": "1"}, timeout=60)
     assert "--datasets mnist --settings 2c/c --seeds 1" in done.stdout  # resumed on request
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.5:2:10", "mnist:0.5:1:5"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert "--settings 0.5 --seeds 2 --clients 10 --methods" in done.stdout  # the client-count sweep
+    assert "archive-merge fedhydra runs/x/fedhydra-fmnist-0.5-m10-s2-reduced-t60 " in done.stdout
+    assert "--settings 0.5 --seeds 1 --methods" in done.stdout and "-m5-" not in done.stdout
     done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2"], cwd=tmp_path, capture_output=True, text=True,
                           env={**env, "PAPER": "fedmho"}, timeout=60)
     assert "archive-merge fedmho runs/x/fedmho-fmnist-a0.1-s2-reduced-t60 --methods coboosting --folder" in done.stdout
