@@ -10,10 +10,11 @@
 # the clients retrain from the cell's seeds, to byte-identical uploads where the torch thread count
 # and the CPU kind are those of the archived run (the archived summary's `environment`; THREADS,
 # default 2). `hetfl archive-check` first skips a cell whose archived environment names another
-# processor, torch or thread count (measured: an AMD EPYC cell retrained on an Intel Xeon gave other
-# uploads, found only by the merge after 31 min; FORCE_CPU=1 runs it anyway). A cell that records no
-# processor still runs, and only the merge can tell (FedMHO's `reduced` cells: other uploads on this
-# project's Intel Xeon VM, refused after 6 min; archive-check says so). `hetfl archive-merge`
+# processor, instruction set (torch's cpu_capability: AVX2 and AVX-512 AMD EPYCs gave other uploads),
+# torch or thread count (measured: an AMD EPYC cell retrained on an Intel Xeon gave other uploads,
+# found only by the merge after 31 min; FORCE_CPU=1 runs it anyway). A cell that records no
+# processor still runs, and only the merge can tell (FedMHO's `reduced` cells: other uploads on an
+# Intel Xeon and on an AVX-512 AMD EPYC, refused after 6 and 3 min; archive-check says so). `hetfl archive-merge`
 # then refuses a cell whose uploads differ (digests, else FedAvg and the ensemble to the last digit),
 # and the loop goes on with the next cell.
 # Two of these side by side on 2 cores: OMP_WAIT_POLICY=PASSIVE (set here) keeps the waiting OpenMP

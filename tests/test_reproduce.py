@@ -1781,13 +1781,15 @@ def test_retrain_mismatch_names_the_recorded_differences_and_ignores_unrecorded_
     assert retrain_mismatch({**here, "cpu": "AMD EPYC"}, here) == "cpu 'AMD EPYC' here 'Intel(R) Xeon(R) Processor'"
     both = retrain_mismatch({**here, "threads": 1, "torch": "2.12.0"}, here)
     assert both == "torch '2.12.0' here '2.13.0+cpu'; threads 1 here 2"
+    avx = {**here, "cpu": "AMD EPYC", "cpu_capability": "AVX512"}  # one name, two instruction sets
+    assert retrain_mismatch({**avx, "cpu_capability": "AVX2"}, avx) == "cpu_capability 'AVX2' here 'AVX512'"
 
 
 def test_unrecorded_lists_the_retrain_keys_an_archived_environment_lacks():
     from hetfl.reproduce.common import RETRAIN_KEYS, unrecorded
 
     assert unrecorded({k: "x" for k in RETRAIN_KEYS}) == []
-    assert unrecorded({"device": "cpu", "threads": 2, "torch": "2.13.0+cpu", "cpu": None}) == ["cpu"]
+    assert unrecorded({"device": "cpu", "threads": 2, "torch": "2.13.0+cpu", "cpu": None}) == ["cpu", "cpu_capability"]
     assert unrecorded({}) == list(RETRAIN_KEYS)
 
 
@@ -1806,7 +1808,8 @@ def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_
     results = ["--results", str(tmp_path / "fedhydra.md")]
     assert main(["archive-check", "fedhydra", "same", "old", *results]) == 0
     assert capsys.readouterr().out == (
-        "same: same processor, torch and threads\nold: no recorded difference, but device, cpu, torch not "
+        "same: same processor, instruction set, torch and threads\nold: no recorded difference, but device, cpu, "
+        "cpu_capability, torch not "
         "recorded: only the merge's upload check, after the run, can tell\n")
     assert main(["archive-check", "fedhydra", "same", "amd", *results]) == 1
     assert "amd: other uploads here (cpu 'some other CPU' here " in capsys.readouterr().out

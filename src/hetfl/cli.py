@@ -280,7 +280,7 @@ def cmd_archive_check(args: argparse.Namespace) -> int:
             print(f"{name}: no recorded difference, but {', '.join(missing)} not recorded: "
                   "only the merge's upload check, after the run, can tell")
         else:
-            print(f"{name}: same processor, torch and threads")
+            print(f"{name}: same processor, instruction set, torch and threads")
     return 1 if any(why for why, _ in found.values()) else 0
 
 

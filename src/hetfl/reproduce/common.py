@@ -202,14 +202,16 @@ def merge_cell_methods(run: Path, methods: list[str], folder: Path) -> tuple[Pat
 
 
 # what decides whether clients retrained from a cell's seeds upload its models byte for byte (kernels
-# and their reduction order differ between processors, torch builds and thread counts)
-RETRAIN_KEYS = ("device", "cpu", "torch", "threads")
+# and their reduction order differ between processors, the instruction set torch dispatches to, torch
+# builds and thread counts). ``cpu`` alone does not tell: "AMD EPYC" names both AVX2 and AVX-512
+# machines, and an AVX2 cell retrained on an AVX-512 one gave other uploads (sixty-fourth session).
+RETRAIN_KEYS = ("device", "cpu", "cpu_capability", "torch", "threads")
 
 
 def retrain_mismatch(archived_env: dict[str, Any], here: dict[str, Any]) -> str | None:
     """Why clients retrained in the environment ``here`` (a summary's ``environment``) would not give
     the uploads of an archived cell that ran in ``archived_env``: the :data:`RETRAIN_KEYS` the two
-    both record and on which they differ, e.g. ``"cpu 'AMD EPYC' here 'Intel(R) Xeon(R) Processor'"``;
+    both record and on which they differ, e.g. ``"cpu_capability 'AVX2' here 'AVX512'"``;
     None where they agree or the cell did not record them (runs before the field, where only
     :func:`merge_methods`' digest check, after the run, can tell)."""
     diffs = [f"{k} {archived_env[k]!r} here {here[k]!r}" for k in RETRAIN_KEYS
