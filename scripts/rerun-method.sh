@@ -6,7 +6,8 @@
 #   PAPER=fedhydra BUDGET=reduced-t60-g30 METHODS=coboosting bash scripts/rerun-method.sh fmnist:0.5:0 mnist:2c/c:1
 #
 # Each cell (dataset:setting:seed, or dataset:setting:seed:clients for fedhydra's client-count sweep,
-# e.g. fmnist:0.5:0:10 for fedhydra-fmnist-0.5-m10-s0-<budget>) runs `hetfl reproduce` with FedAvg and METHODS into OUT and CACHE:
+# e.g. fmnist:0.5:0:10 for fedhydra-fmnist-0.5-m10-s0-<budget>) runs `hetfl reproduce` with FedAvg
+# and METHODS into OUT and CACHE:
 # the clients retrain from the cell's seeds, to byte-identical uploads where the torch thread count
 # and the CPU kind are those of the archived run (the archived summary's `environment`; THREADS,
 # default 2). `hetfl archive-check` first skips a cell whose archived environment names another
@@ -14,8 +15,9 @@
 # torch or thread count (measured: an AMD EPYC cell retrained on an Intel Xeon gave other uploads,
 # found only by the merge after 31 min; FORCE_CPU=1 runs it anyway). A cell that records no
 # processor still runs, and only the merge can tell (FedMHO's `reduced` cells: other uploads on an
-# Intel Xeon and on an AVX-512 AMD EPYC, refused after 6 and 3 min; archive-check says so). `hetfl archive-merge`
-# then refuses a cell whose uploads differ (digests, else FedAvg and the ensemble to the last digit),
+# Intel Xeon and on an AVX-512 AMD EPYC, refused after 6 and 3 min; archive-check says so; and a
+# FedMHO VGG-9 cell with bf16 clients passed archive-check but retrained to other uploads all the
+# same, refused after 44 min). `hetfl archive-merge` then refuses a cell whose uploads differ (digests, else FedAvg and the ensemble to the last digit),
 # and the loop goes on with the next cell.
 # Two of these side by side on 2 cores: OMP_WAIT_POLICY=PASSIVE (set here) keeps the waiting OpenMP
 # threads of one from spinning on the cores the other needs (without it, measured: one of the two
