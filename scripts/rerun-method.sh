@@ -40,7 +40,10 @@ for cell in "$@"; do
   IFS=: read -r ds setting seed clients <<< "$cell"
   tag=$setting; [ "$setting" = "2c/c" ] && tag=2cc
   sweep=()
-  if [ -n "$clients" ] && [ "$clients" != 5 ]; then tag=$tag-m$clients; sweep=(--clients "$clients"); fi
+  if [ -n "$clients" ] && [ "$clients" != 5 ]; then
+    if [ "$PAPER" != fedhydra ]; then echo "$(date +%T) skip $cell (a client count is for fedhydra's sweep only)"; continue; fi
+    tag=$tag-m$clients; sweep=(--clients "$clients")
+  fi
   [ "$PAPER" = fedmho ] && tag=a$setting
   name=$PAPER-$ds-$tag-s$seed-$BUDGET
   if [ -z "${FORCE:-}" ] && [ -e "$OUT/$name" ]; then echo "$(date +%T) skip $cell ($OUT/$name exists)"; continue; fi

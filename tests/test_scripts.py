@@ -263,6 +263,10 @@ def test_rerun_script_runs_fedavg_and_the_methods_then_merges_and_skips_started_
     done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2"], cwd=tmp_path, capture_output=True, text=True,
                           env={**env, "PAPER": "fedmho"}, timeout=60)
     assert "archive-merge fedmho runs/x/fedmho-fmnist-a0.1-s2-reduced-t60 --methods coboosting --folder" in done.stdout
+    done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2:10"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "PAPER": "fedmho"}, timeout=60)
+    assert "skip fmnist:0.1:2:10 (a client count is for fedhydra's sweep only)" in done.stdout
+    assert "reproduce" not in done.stdout
     done = subprocess.run(["bash", str(RERUN), "fmnist:0.1:2", "fmnist:0.1:1"], cwd=tmp_path, capture_output=True,
                           text=True, env={**env, "HETFL": "false", "FORCE_CPU": "1"}, timeout=60)
     assert done.stdout.count(" failed fmnist:0.1:") == 2  # a failed cell does not stop the others
