@@ -20,6 +20,11 @@
 #
 #   mkdir -p /tmp/t && tar xzf trials.tgz -C /tmp/t && ls /tmp/t/device-work/trials/out
 #
+# A trial's curve is kept beside its archived cell (runs.json; `--change` names the setting it changes):
+#
+#   .venv/bin/hetfl archive-run fedhydra /tmp/t/device-work/trials/out/<name>.summary.json \
+#     --method <method> --change "<setting> (H200)" --label "<what, where, which session>" --curve <file>.jsonl
+#
 # A trial run as configured (no overrides of the method) on an archived cell's uploads can join that
 # cell (checked: same setting, same uploads_sha256, same method config; say where it ran in the note):
 #

@@ -1584,6 +1584,20 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     listed = json.loads(manifest.read_text())["runs"]
     assert [r["file"] for r in listed if r["file"] in ("o.jsonl", "q.jsonl")] == ["q.jsonl"]
     assert len((archive / "paper-server-curves" / "q.jsonl").read_text().splitlines()) == 3
+    # a finished device trial as scripts/device-trials.sh brings it back: <name>.summary.json and <name>.jsonl
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "both.summary.json").write_text(json.dumps(summary))
+    trial_log = [{**r, "accuracy": r["accuracy"] + 1} for r in logged]  # its own curve: no earlier one begins it
+    (out / "both.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trial_log))
+    trial = archive_run(archive, out / "both.summary.json", "fedhydra", "a device trial", change="c", curve="t.jsonl")
+    assert trial == {"cell": "mnist-2cc-s0, H200", "method": "fedhydra", "run": "a device trial", "file": "t.jsonl",
+                     "change": "c"}
+    assert [json.loads(line) for line in (archive / "paper-server-curves" / "t.jsonl").read_text().splitlines()] \
+        == [trial_log[0], trial_log[2]]
+    (out / "both.jsonl").unlink()
+    with pytest.raises(ValueError, match="a device trial needs both"):
+        archive_run(archive, out / "both.summary.json", "fedhydra", "x", curve="u.jsonl")
     no_eval = json.dumps({"method": "fedhydra", "step": 1, "kd_loss": 1.0}) + "\n"
     (run / "fedhydra" / "metrics.jsonl").write_text(no_eval)
     with pytest.raises(ValueError, match="no evaluated epoch of fedhydra"):  # a log without an evaluation

@@ -422,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     arc = sub.add_parser("archive-run", help="keep a `hetfl run` made on an archived cell's uploads: its curve in "
                          "<paper>-runs/paper-server-curves (runs.json) and, with --merge, its result in the cell")
     arc.add_argument("paper", choices=["fedhydra", "fedmho"])
-    arc.add_argument("run", help="the run's output folder (summary.json, metrics.jsonl)")
+    arc.add_argument("run", help="the run's output folder (summary.json, metrics.jsonl), or a device trial's "
+                     "NAME.summary.json from scripts/device-trials.sh (NAME.jsonl beside it)")
     arc.add_argument("--method", required=True, help="the method of that run to keep")
     arc.add_argument("--label", required=True, help="what the run was, for the report (where, how, which session)")
     arc.add_argument("--change", default=None, help="a trial of our variant: the setting it changes")

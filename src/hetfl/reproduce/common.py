@@ -254,6 +254,26 @@ def cell_label(name: str, seed: int) -> str:
     return name[start:end + len(f"-s{seed}")]
 
 
+TRIAL_SUMMARY = ".summary.json"  # scripts/device-trials.sh: <name>.summary.json and <name>.jsonl
+
+
+def _run_files(run: Path, method: str) -> tuple[Path, Path, Path]:
+    """A run's summary, metrics log and config (:func:`archive_run`): in a run folder, or a device
+    trial's ``<name>.summary.json`` and ``<name>.jsonl``. The metrics log must exist (ValueError)."""
+    if run.name.endswith(TRIAL_SUMMARY) and not run.is_dir():
+        stem = run.name.removesuffix(TRIAL_SUMMARY)
+        summary, metrics = run, run.with_name(stem + ".jsonl")
+        if not summary.is_file() or not metrics.is_file():
+            raise ValueError(f"{summary} and {metrics}: a device trial needs both")
+        return summary, metrics, run.with_name(stem + ".config.json")
+    summary, metrics, config = run / "summary.json", run / "metrics.jsonl", run / "config.json"
+    if not metrics.is_file():  # a stopped run has only its method's own log so far
+        metrics = run / method / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{run / 'metrics.jsonl'} and {metrics}: missing")
+    return summary, metrics, config
+
+
 def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change: str | None = None,
                 merge: bool = False, curve: str | None = None) -> dict[str, str]:
     """Keep one ``hetfl run`` of ``method`` (``run_dir``: its summary.json and metrics.jsonl) made on an
@@ -267,13 +287,10 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     when it was stopped) is removed with its file, and the new entry names it as ``replaces``.
     A stopped run (no summary.json yet: its config.json and the epochs ``<method>/metrics.jsonl``
     logged) keeps its curve but cannot be merged, and only its setting (not ``uploads_sha256``, which
-    the summary records) is checked against the cell's. Checks everything before writing anything; ValueError naming the
-    problem. Returns the new entry."""
-    summary_file, metrics, config_file = run_dir / "summary.json", run_dir / "metrics.jsonl", run_dir / "config.json"
-    if not metrics.is_file():  # a stopped run has only its method's own log so far
-        metrics = run_dir / method / "metrics.jsonl"
-    if not metrics.is_file():
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} and {metrics}: missing")
+    the summary records) is checked against the cell's. ``run_dir`` may instead be a finished trial as
+    ``scripts/device-trials.sh`` brings it back: ``<name>.summary.json``, with ``<name>.jsonl`` beside it.
+    Checks everything before writing anything; ValueError naming the problem. Returns the new entry."""
+    summary_file, metrics, config_file = _run_files(run_dir, method)
     if summary_file.is_file():
         summary = json.loads(summary_file.read_text())
         if method not in summary.get("results", {}):
