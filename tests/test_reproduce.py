@@ -1431,6 +1431,25 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])
 
 
+def test_curve_runs_figure_lays_out_many_long_legends_without_warnings(tmp_path):
+    """Rows of one short legend, then rows of a dozen long-labelled runs per panel (as the archive has):
+    the figure is laid out (tight_layout warned "not applied" here and let the legends run over the next
+    row's titles) and written."""
+    import warnings
+
+    from hetfl.reproduce.fedhydra import plot_curve_runs
+
+    label = "stopped by the device's deadline after many epochs on a lent accelerator, beside other runs " * 3
+    rows = [{"cell": f"short{c}", "method": "dense", "run": "call 1", "curve": [[1, 10.0], [2, 50.0]]}
+            for c in range(6)]
+    rows += [{"cell": f"long{c}", "method": "dense", "run": f"{label}{i}", "curve": [[1, 10.0], [2, 50.0 + i]]}
+             for c in range(3) for i in range(12)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = plot_curve_runs(rows, tmp_path / "curves.png")
+    assert out == tmp_path / "curves.png" and out.stat().st_size > 0
+
+
 def test_tail_stats_takes_the_last_quarter():
     from hetfl.reproduce.fedhydra import tail_stats
 

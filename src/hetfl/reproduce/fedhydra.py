@@ -1103,20 +1103,20 @@ def _run_label(row: dict[str, Any], width: int = 100) -> str:
 
 def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     """Accuracy per server epoch of :func:`curve_run_rows`, one panel per cell (two per row), one line per
-    run. Each panel's legend sits under it, and a row of panels is as much taller as its longest legend
-    needs, so that no legend hides a curve however many runs a cell has."""
+    run. Each panel's legend sits under it, and the figure is as much taller as each row's longest
+    legend needs; the constrained layout gives each row the room of its legends (tight_layout gave up
+    on legends outside the axes and let them run over the next row's titles), so that no legend hides
+    a curve or a title however many runs a cell has."""
     import matplotlib.pyplot as plt
-
-    from hetfl.report import save_figure
 
     cells = list(dict.fromkeys(r["cell"] for r in rows))  # in the order runs.json lists them
     ncols = min(2, len(cells))
     nrows = -(-len(cells) // ncols)
     runs = {cell: [r for r in rows if r["cell"] == cell] for cell in cells}
     lines = {c: sum(_run_label(r).count("\n") + 1 for r in runs[c]) for c in cells}
-    heights = [3.6 + 0.12 * max(lines[c] for c in cells[i * ncols:(i + 1) * ncols]) for i in range(nrows)]
+    heights = [3.0 + 0.11 * max(lines[c] for c in cells[i * ncols:(i + 1) * ncols]) for i in range(nrows)]
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+                             layout="constrained")
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
     for ax, cell in zip(axes.flat, cells):
@@ -1128,7 +1128,9 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.set_ylabel("test accuracy %")
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.16), frameon=False)
         ax.grid(alpha=0.3)
-    return save_figure(fig, out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _figure_links(paths: list[Path], where: str) -> str:
