@@ -149,8 +149,10 @@ def plot_scatter_fits(points: dict[str, list[tuple[float, float]]], path: Path, 
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
-    """Tight layout, write ``path``, free the figure; returns ``path``."""
-    fig.tight_layout()
+    """Tight layout (unless the figure has a layout engine of its own, e.g. ``layout="constrained"``),
+    write ``path``, free the figure; returns ``path``."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

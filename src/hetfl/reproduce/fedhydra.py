@@ -1109,6 +1109,8 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
     a curve or a title however many runs a cell has."""
     import matplotlib.pyplot as plt
 
+    from hetfl.report import save_figure
+
     cells = list(dict.fromkeys(r["cell"] for r in rows))  # in the order runs.json lists them
     ncols = min(2, len(cells))
     nrows = -(-len(cells) // ncols)
@@ -1128,9 +1130,7 @@ def plot_curve_runs(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.set_ylabel("test accuracy %")
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(0.0, -0.16), frameon=False)
         ax.grid(alpha=0.3)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def _figure_links(paths: list[Path], where: str) -> str:
