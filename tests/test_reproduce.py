@@ -31,6 +31,15 @@ def fake_summary(root, dataset, setting, seed, accs, budget="reduced"):
     return cfg
 
 
+SHUFFLED = ("dense", "fedhydra_dense", "fedhydra_dense_log1p")  # pool_shuffle by default since session 66
+
+
+def shuffled(method, result):
+    """``result`` as a run of ``method`` records it since its KD batches are reshuffled by default (the
+    params a result of the older defaults lacks: common.CHANGED_DEFAULTS); other methods' as given."""
+    return {**result, "params": {"pool_shuffle": True}} if method in SHUFFLED else result
+
+
 def test_report_means_paper_numbers_and_ordering(tmp_path):
     base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
     fake_summary(tmp_path, "mnist", "0.1", 0, {**base, "fedhydra": 60.0})
@@ -744,7 +753,7 @@ def test_one_cache_section_ranks_fedhydra_dense_against_the_baselines_on_means_a
     base = dict.fromkeys(("ensemble", "fedavg", "ot", "feddf", "dense", "coboosting"), 40.0)
     for seed, (ours, cob) in enumerate([(60.0, 45.0), (50.0, 55.0), (70.0, 41.0)]):
         cfg = paper.cell_config("mnist", "0.1", seed, "reduced")
-        results = {m: {"accuracy": a - 1, "best_accuracy": a}
+        results = {m: shuffled(m, {"accuracy": a - 1, "best_accuracy": a})
                    for m, a in {**base, "coboosting": cob, "fedhydra_dense": ours}.items()}
         (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results, "minutes": 3.0}))
     text = paper.one_cache_report(folder)
@@ -768,7 +777,8 @@ def test_one_cache_section_ranks_fedhydra_dense_against_the_baselines_on_means_a
     for seed, acc in ((0, 80.0), (1, 52.0)):
         path = folder / f"{paper.cell_config('mnist', '0.1', seed, 'reduced')['name']}.json"
         cell = json.loads(path.read_text())
-        cell["results"]["fedhydra_dense_log1p"] = {"accuracy": acc - 1, "best_accuracy": acc}
+        cell["results"]["fedhydra_dense_log1p"] = shuffled("fedhydra_dense_log1p",
+                                                           {"accuracy": acc - 1, "best_accuracy": acc})
         path.write_text(json.dumps(cell))
     lines = paper.one_cache_report(folder).splitlines()
     log1p = next(x for x in lines if x.startswith("| FedHydra in DENSE's loop, log1p(U) (ours) |"))
@@ -776,7 +786,8 @@ def test_one_cache_section_ranks_fedhydra_dense_against_the_baselines_on_means_a
     assert [x for x in lines if x.startswith("- 0.1")] == [verdict]  # log1p not in every seed: no verdict yet
     path = folder / f"{paper.cell_config('mnist', '0.1', 2, 'reduced')['name']}.json"
     cell = json.loads(path.read_text())
-    cell["results"]["fedhydra_dense_log1p"] = {"accuracy": 70.0, "best_accuracy": 71.0}
+    cell["results"]["fedhydra_dense_log1p"] = shuffled("fedhydra_dense_log1p",
+                                                       {"accuracy": 70.0, "best_accuracy": 71.0})
     path.write_text(json.dumps(cell))
     verdicts = [x for x in paper.one_cache_report(folder).splitlines() if x.startswith("- 0.1")]
     assert len(verdicts) == 2 and verdicts[0].startswith("- 0.1 (n=3): `fedhydra_dense` first")
@@ -796,7 +807,7 @@ def test_reduced_t60_differs_from_reduced_only_in_the_server_epochs_and_gets_its
     folder.mkdir(parents=True)
     for budget, acc in (("reduced", 60.0), ("reduced-t60", 70.0)):
         cfg = paper.cell_config("fmnist", "0.5", 0, budget)
-        results = {m: {"accuracy": acc - 1, "best_accuracy": acc} for m in ("ensemble", "fedavg", "dense")}
+        results = {m: shuffled(m, {"accuracy": acc - 1, "best_accuracy": acc}) for m in ("ensemble", "fedavg", "dense")}
         curves = {"dense": [[e, acc - 60 + e / 2] for e in range(1, cfg["methods"]["dense"]["epochs"] + 1)]}
         (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results, "curves": curves}))
     out = tmp_path / "fedhydra.md"
@@ -848,8 +859,8 @@ def test_paper_bf16_budget_is_paper_with_bf16_clients_and_generator_family_and_h
     # its cells go to a table of their own, with the paper's numbers beside them
     summary = {"config": bf16, "environment": {}, "results": {
         "ensemble": {"accuracy": 29.0, "best_accuracy": 29.0},
-        "dense": {"accuracy": 20.0, "best_accuracy": 25.0},
-        paper.VARIANT: {"accuracy": 65.0, "best_accuracy": 75.0}}}
+        "dense": shuffled("dense", {"accuracy": 20.0, "best_accuracy": 25.0}),
+        paper.VARIANT: shuffled(paper.VARIANT, {"accuracy": 65.0, "best_accuracy": 75.0})}}
     cell = tmp_path / "runs" / bf16["name"]
     cell.mkdir(parents=True)
     (cell / "summary.json").write_text(json.dumps(summary))
@@ -918,7 +929,7 @@ def test_standing_table_gives_each_cell_the_variant_the_best_baseline_per_budget
              ("reduced", "0.3", 0, {"coboosting": 70.0, "fedhydra_dense": 90.0})]  # no variant: "-"
     for budget, setting, seed, accs in cells:
         cfg = paper.cell_config("mnist", setting, seed, budget)
-        results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
+        results = {m: shuffled(m, {"accuracy": a - 1, "best_accuracy": a}) for m, a in accs.items()}
         (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results}))
     specified = [{"config": paper.cell_config("mnist", "0.1", seed, "reduced"),
                   "results": {"fedhydra": {"accuracy": 10.0, "best_accuracy": acc}}}
@@ -941,10 +952,11 @@ def test_standing_table_gives_each_cell_the_variant_the_best_baseline_per_budget
     assert rows["mnist", "0.1"]["budgets"]["reduced"]["ours"] == [60.0, 64.0]  # per seed, for the error bars
     assert rows["mnist", "0.1"]["budgets"]["reduced"]["best"] == ("coboosting", 46.0)
     assert rows["mnist", "0.1"]["specified"] == [30.0, 20.0]
-    assert rows["mnist", "0.3"]["budgets"]["reduced"] == {"ours": [], "best": None, "best_mark": ""}  # no variant run
+    assert rows["mnist", "0.3"]["budgets"]["reduced"] == {"ours": [], "best": None, "best_mark": "",
+                                                          "ours_mark": ""}  # no variant run
     assert "paper_budget" not in rows["mnist", "0.1"]  # no paper-budget cells: no such columns
     gpu = {"config": paper.cell_config("mnist", "0.1", 0, "paper"),
-           "results": {m: {"accuracy": a - 1, "best_accuracy": a}
+           "results": {m: shuffled(m, {"accuracy": a - 1, "best_accuracy": a})
                        for m, a in {"dense": 61.0, "fedavg": 38.0, "fedhydra_dense_log1p": 74.0}.items()}}
     lines = paper.standing_table(paper.standing(folder, specified, [gpu])).splitlines()
     assert next(x for x in lines if x.startswith("| dataset |")).endswith(
@@ -1698,6 +1710,40 @@ def test_curve_legend_labels_wrap_at_their_width():
     assert "\n" not in paper._run_label({"method": "dense", "run": "200 epochs (H200)"})
 
 
+def test_a_later_one_cache_grid_has_its_own_section_and_standing_columns_and_older_ours_is_marked(tmp_path):
+    archive = tmp_path / "fedhydra-runs"
+    first, later = archive / paper.ONE_CACHE, archive / f"{paper.LATER_GRID}amd"
+    assert paper.one_cache_grids(archive) == []
+    cfg = paper.cell_config("mnist", "0.1", 0, "reduced")
+    env = {"device": "cpu", "cpu": "AMD EPYC", "cpu_capability": "AVX512", "threads": 1}
+    for folder, ours in ((first, {"accuracy": 59.0, "best_accuracy": 60.0}),  # pool order: no params
+                         (later, shuffled(paper.VARIANT, {"accuracy": 69.0, "best_accuracy": 70.0}))):
+        folder.mkdir(parents=True)
+        results = {"fedavg": {"accuracy": 40.0, "best_accuracy": 40.0}, paper.VARIANT: ours}
+        (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results,
+                                                                "environment": env}))
+    (archive / "one-cache-notes.md").write_text("a file, not a grid")
+    assert paper.one_cache_grids(archive) == [("", first), ("amd", later)]
+    rows = paper.standing(first, grids=paper.one_cache_grids(archive))
+    assert list(rows["mnist", "0.1"]["budgets"]) == ["reduced", "reduced@amd"]
+    lines = paper.standing_table(rows).splitlines()
+    assert "| `reduced` best baseline | `reduced`, grid `amd` ours | `reduced`, grid `amd` best baseline |" in next(
+        x for x in lines if x.startswith("| dataset |"))
+    assert next(x for x in lines if x.startswith("| MNIST | α=0.1 |")) == (
+        "| MNIST | α=0.1 | 59.97 | - | **60.00 n=1 †** | 40.00 FedAvg | **70.00 n=1** | 40.00 FedAvg | "
+        "+10.03 (`reduced`, grid `amd`) |")
+    assert lines[-1].startswith("† Ours (FedHydra in DENSE's loop, log1p(U)) with the KD batches in pool order")
+    out = tmp_path / "fedhydra.md"
+    paper.write_results(tmp_path / "runs", out)
+    text = out.read_text()
+    first_section, later_section = text.split("## All methods on one upload cache (budget `reduced`")[1:3]
+    assert later_section.startswith(", grid `amd`)") and "Ran on: cpu (AMD EPYC, AVX512), 1 thread." in later_section
+    assert "70.00 (69.00) n=1 |" in later_section and "60.00 (59.00) n=1 † |" in first_section
+    assert "Ran on" not in first_section
+    assert paper.one_cache_figure_path(out, "mnist", "reduced", "amd").name == \
+        "fedhydra-one-cache-amd-curves-mnist-reduced.png"
+
+
 def test_results_of_older_defaults_are_marked_in_the_tables():
     """Co-Boosting's results from before its gradient clips (no ``params``, or params without them)
     are marked † in the report's tables, with one footnote; results since are not."""
@@ -1709,7 +1755,12 @@ def test_results_of_older_defaults_are_marked_in_the_tables():
                                                                       "pool_shuffle": True}}
     off = {**new, "params": {"grad_clip": 0.0, "generator_grad_clip": 10.0}}
     assert common.older_defaults("coboosting", old) and common.older_defaults("coboosting", off)
-    assert not common.older_defaults("coboosting", new) and not common.older_defaults("dense", old)
+    assert not common.older_defaults("coboosting", new) and not common.older_defaults("fedavg", old)
+    # DENSE, FedHydra in DENSE's loop and ours: the KD batches reshuffled each epoch since the 66th session
+    for method in ("dense", "fedhydra_dense", "fedhydra_dense_log1p"):
+        assert common.older_defaults(method, old)  # no params: before the change
+        assert common.older_defaults(method, {**old, "params": {"pool_shuffle": False}})
+        assert not common.older_defaults(method, {**old, "params": {"pool_shuffle": True, "epochs": 20}})
     assert common.older_defaults("coboosting", {**new, "params": {**new["params"], "pool_shuffle": False}})
     assert common.older_mark("coboosting", [old, old]) == " †"
     assert common.older_mark("coboosting", [old, new]) == " † 1 of 2" and common.older_mark("coboosting", [new]) == ""
@@ -1717,7 +1768,7 @@ def test_results_of_older_defaults_are_marked_in_the_tables():
     def cell(setting: str, seed: int, co: dict) -> dict:
         part = {"kind": "2c/c"} if setting == "2c/c" else {"kind": "dirichlet", "alpha": float(setting), "min_size": 10}
         return {"config": {"dataset": "mnist", "clients": 5, "seed": seed, "partition": part, "methods": {}},
-                "results": {"dense": {"accuracy": 20.0, "best_accuracy": 25.0}, "coboosting": co}}
+                "results": {"dense": shuffled("dense", {"accuracy": 20.0, "best_accuracy": 25.0}), "coboosting": co}}
 
     lines = paper._table([cell("0.5", 0, old), cell("0.5", 1, new), cell("2c/c", 0, new)], "mnist",
                          ("dense", "coboosting"))

@@ -17,13 +17,13 @@ Choices and deviations, stated:
 * The student is in eval mode while the generator trains (DENSE leaves it in train mode, so its
   BN statistics drift on synthetic batches).
 * The student starts from random initialisation, as in DENSE.
-* The KD pass takes the batches as generated (this epoch's first, then the pool oldest first);
-  DENSE's code draws them from a shuffled DataLoader over every pooled image each epoch, which
-  ``pool_shuffle: true`` does (the same samples and number of steps, other batches). Measured at
-  the `reduced` budget (MNIST Dir(0.5), Dir(0.01), 2c/c, seed 0, the same uploads; best over
-  epochs): 75.87 / 10.91 / 12.99 % in pool order against 75.60 / 10.85 / 16.33 % reshuffled
-  (docs/results/fedhydra-notes.md, fifty-ninth section). Not the default yet: every DENSE result
-  archived so far ran in pool order, and the paper-budget ones took hours each.
+* The KD pass draws its batches each epoch from the samples of the whole pool in a seeded random
+  order (``pool_shuffle: true``), as DENSE's code does with a shuffled DataLoader over every pooled
+  image. Before the sixty-sixth session the default was the order generated (this epoch's batch,
+  then the pool oldest first: ``pool_shuffle: false``), and every DENSE result archived until then
+  ran so; the report marks those †. Measured at the `reduced` budget (MNIST Dir(0.5), Dir(0.01),
+  2c/c, seed 0, the same uploads; best over epochs): 75.87 / 10.91 / 12.99 % in pool order against
+  75.60 / 10.85 / 16.33 % reshuffled (docs/results/fedhydra-notes.md, fifty-ninth section).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class DenseRecipe(Recipe):
 @register("dense")
 class Dense(DataFreeMethod):
     name = "dense"
-    method_defaults: dict[str, Any] = {"lr": 0.005, "temperature": 20.0, "pool_size": -1, "replay": -1}
+    method_defaults: dict[str, Any] = {"lr": 0.005, "temperature": 20.0, "pool_size": -1, "replay": -1,
+                                       "pool_shuffle": True}
 
     def recipe(self, teachers: list[nn.Module], ctx: ServerContext) -> Recipe:
         return DenseRecipe()

@@ -387,11 +387,13 @@ class FedHydraDenseLoop(FedHydra):
     (``reset_generator``, ``optimize_z``); Eq. 15's KL counts only the samples on which the
     student's arg max differs from P's (``adv_mask: disagree``, DENSE's mask); only the
     lowest-loss batch of the epoch is kept (``keep: best``); and the global model is distilled on
-    the whole pool every epoch (``pool_size: -1, replay: -1``). Facts read from the snapshot
+    the whole pool every epoch (``pool_size: -1, replay: -1``), its samples in a new seeded order each
+    epoch (``pool_shuffle: true``, since the sixty-sixth session). Facts read from the snapshot
     (github.com/Jun-B0518/ICDE2025-FL-SA, helpers/synthesizers.py and fed-main.py; no code taken):
     ``SASynthesizer.synthesize`` resets the generator with ``reset_model`` every epoch, optimises z
     with Adam (betas 0.5/0.999), masks the adversarial KL to disagreement and adds the best batch
-    to an image pool that ``sa_kd_train`` replays in full each epoch. Choices kept from the paper
+    to an image pool that ``sa_kd_train`` replays in full each epoch, through a DataLoader with
+    ``shuffle=True`` (``get_data``). Choices kept from the paper
     where the snapshot differs: beta = 1 in Eq. 19 (the snapshot's ``kl_alpha1`` defaults to 0),
     KL averaged per sample (the snapshot's ``reduction='mean'`` also divides by c), no
     augmentation in stratification (the snapshot crops and flips there), temperature 1. The
@@ -400,7 +402,8 @@ class FedHydraDenseLoop(FedHydra):
 
     name = "fedhydra_dense"
     method_defaults: dict[str, Any] = {**FedHydra.method_defaults, "reset_generator": True, "optimize_z": True,
-                                       "adv_mask": "disagree", "keep": "best", "pool_size": -1, "replay": -1}
+                                       "adv_mask": "disagree", "keep": "best", "pool_size": -1, "replay": -1,
+                                       "pool_shuffle": True}
 
 
 @register("fedhydra_dense_log1p")
@@ -414,12 +417,14 @@ class FedHydraDenseLoopLog1p(FedHydraDenseLoop):
     ``fedhydra_dense`` on the same uploads. Its KD temperature defaults to 1 (the paper's Eq. 17 has
     none); over 200 epochs at T_G = 30 the student then collapsed to one class in 7 of 7 GPU runs
     (Fashion-MNIST Dir(0.5)), so ``hetfl reproduce fedhydra --budget paper`` sets DENSE's 20. Its KD
-    pass takes the pool's batches in the order generated (``pool_shuffle: false``, as every archived
-    run); DENSE's code draws them from a shuffled loader over the whole pool, and ``pool_shuffle:
-    true`` raised this variant's best epoch in 20 of 24 trial cells at the `reduced` budget (mean +2.23
-    points, final epoch +1.62), where Co-Boosting's gradient clips alone did not (-0.98, -2.56):
-    docs/results/fedhydra-runs/ours-clip-reduced/. Not the default until it holds at the paper's budget
-    (fedhydra-notes, sixty-fifth section)."""
+    pass draws the pool's samples in a seeded random order each epoch (``pool_shuffle: true``,
+    inherited from ``fedhydra_dense``, as the authors' code's shuffled loader does). Before the
+    sixty-sixth session it took them in the order generated, as every result of ours archived until
+    then (marked † in the report). The reshuffle raised this variant's best epoch in 20 of 24 trial
+    cells at the `reduced` budget (mean +2.23 points, final epoch +1.62), where Co-Boosting's gradient
+    clips alone did not (-0.98, -2.56): docs/results/fedhydra-runs/ours-clip-reduced/. At the paper's
+    budget it stopped the late collapse at Fashion 2c/c (CPU) and in three cells on an H200, without
+    raising the best epoch (fedhydra-notes, sixty-fifth section)."""
 
     name = "fedhydra_dense_log1p"
     method_defaults: dict[str, Any] = {**FedHydraDenseLoop.method_defaults, "u_transform": "log1p"}

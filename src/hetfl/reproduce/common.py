@@ -445,6 +445,14 @@ CHANGED_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
                    "Co-Boosting without its code's gradient clipping (student and generator at norm 10) and "
                    "with the KD batches in pool order, not reshuffled each epoch as its code's DataLoader "
                    "does: the defaults before the fifty-ninth session; the notes say what they change"),
+    **{method: ({"pool_shuffle": True},
+                f"{who} with the KD batches in pool order (this epoch's batch first, then the pool oldest first), "
+                f"not drawn each epoch from a loader shuffled over the whole pool as {code} does: the defaults "
+                "before the sixty-sixth session; the notes say what it changes")
+       for method, who, code in (
+           ("dense", "DENSE", "its code"),
+           ("fedhydra_dense", "FedHydra in DENSE's loop", "the FedHydra authors' code"),
+           ("fedhydra_dense_log1p", "Ours (FedHydra in DENSE's loop, log1p(U))", "the FedHydra authors' code"))},
 }
 OLDER_MARK = "†"
 
@@ -467,9 +475,9 @@ def older_mark(method: str, runs: list[dict[str, Any]]) -> str:
 
 
 def older_footnotes(marked: Iterable[str]) -> list[str]:
-    """A blank line and one footnote per method of ``marked`` (none: no lines)."""
-    notes = [f"{OLDER_MARK} {CHANGED_DEFAULTS[m][1]}." for m in marked]
-    return ["", *notes] if notes else []
+    """One footnote per method of ``marked``, each after a blank line (a paragraph of its own in
+    markdown); none: no lines."""
+    return [x for m in marked for x in ("", f"{OLDER_MARK} {CHANGED_DEFAULTS[m][1]}.")]
 
 
 def older_note(methods: Iterable[str], cells: list[dict[str, Any]]) -> list[str]:

@@ -242,6 +242,30 @@ def _upload_check(main: list[dict[str, Any]]) -> list[str]:
 
 
 ONE_CACHE = "one-cache"  # archive subfolder: cells whose methods all ran on one upload cache (`--cache-dir`)
+LATER_GRID = "one-cache-"  # archive subfolders one-cache-<grid>: a later one-cache grid, retrained in one go
+
+
+def one_cache_grids(archive: Path) -> list[tuple[str, Path]]:
+    """``("", archive/one-cache)`` (the first grid), then ``(grid, archive/one-cache-<grid>)`` for each
+    later grid folder, by name; folders that do not exist are left out."""
+    later = sorted((p.name.removeprefix(LATER_GRID), p) for p in archive.glob(f"{LATER_GRID}*") if p.is_dir())
+    return [(g, p) for g, p in [("", archive / ONE_CACHE), *later] if p.is_dir()]
+
+
+def grid_title(budget: str, grid_name: str = "") -> str:
+    """The budget in backticks for the first grid; ``, grid `<name>``` after it for a later one."""
+    return f"`{budget}`" + (f", grid `{grid_name}`" if grid_name else "")
+
+
+def _machines(cells: list[dict[str, Any]]) -> str:
+    """The processors the ``cells`` ran on and their torch thread counts, e.g. ``cpu (AMD EPYC, AVX512,
+    avx512_bf16), 1 thread``; ``; ``-separated where they differ."""
+    seen: dict[str, None] = {}
+    for s in cells:
+        threads = s.get("environment", {}).get("threads")
+        seen[common.machine_label(s) + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")] = None
+    return "; ".join(seen)
+
 ONE_CACHE_INTRO = """Every method of a cell below ran on byte-identical client uploads (one `--cache-dir`, one
 torch thread count), so differences between rows are the server methods alone; the tables above
 mix cells whose methods were added in different sessions, on uploads retrained under other thread
@@ -252,12 +276,17 @@ OT and FedDF have no generator, so T_g and T_G do not change them: where a budge
 "from `B`" marks the same cell's result at budget B, carried over only on the same uploads: equal
 upload sha256 where both runs recorded it (`uploads_sha256`, runs since 2026-11-25), else FedAvg and
 the ensemble equal to the last digit; they then count as baselines in the ordering."""
+LATER_GRID_INTRO = """A later grid (archive folder `{folder}`): the same cells, every one retrained from its seeds in
+one go on one machine and run with the defaults of that time, every method of a cell on one upload
+cache. Its uploads are not the first grid's (another machine, other bits), so set the two grids side by
+side through their means and orderings, not row by row. Ran on: {machines}."""
 
 
-def one_cache_report(folder: Path, budget: str = "reduced") -> str:
-    """Markdown for the archived cells in ``folder`` (:data:`ONE_CACHE`): the Table 1/2 grid of the
-    methods run, and the place of ``fedhydra_dense`` (``fedhydra`` where every cell ran it) against
-    every paper baseline under strong heterogeneity, on the means and per seed."""
+def one_cache_report(folder: Path, budget: str = "reduced", grid_name: str = "") -> str:
+    """Markdown for the archived cells in ``folder`` (:data:`ONE_CACHE`, or a later grid's
+    folder): the Table 1/2 grid of the methods run, and the place of ``fedhydra_dense`` (``fedhydra``
+    where every cell ran it) against every paper baseline under strong heterogeneity, on the means and
+    per seed."""
     cells = _one_cache_cells(folder, budget)
     lines: list[str] = []
     for dataset in DATASETS:
@@ -273,7 +302,10 @@ def one_cache_report(folder: Path, budget: str = "reduced") -> str:
             lines += ["", _ordering(main, candidate)]
     if not lines:
         return ""
-    return "\n".join([f"## All methods on one upload cache (budget `{budget}`)", "", ONE_CACHE_INTRO, *lines])
+    intro = ONE_CACHE_INTRO + ("\n\n" + LATER_GRID_INTRO.format(folder=folder.name, machines=_machines(cells))
+                               if grid_name else "")
+    title = f"## All methods on one upload cache (budget {grid_title(budget, grid_name)})"
+    return "\n".join([title, "", intro, *lines])
 
 
 PRECISION_INTRO = """A budget with another arithmetic (`-bf16`: bf16 autocast for the generator, teacher and student
@@ -556,19 +588,31 @@ cell ran them at another budget on the same uploads (sections below), and a budg
 ("none run") is compared with them through the column of another budget. The `paper` columns: the
 paper's budget (local E = 200, T_g = 200, T_G = 30; ours at KD temperature 20) on a lent GPU, n =
 the seeds run there, every method of a cell on its uploads, the best baseline among those run there (section
-"Budget `paper`"); they count neither in the gap nor in the figure."""
+"Budget `paper`"); they count neither in the gap nor in the figure. A column "grid `name`" comes from a
+later one-cache grid (its own section below): the same settings and seeds, every cell retrained in one
+go on one machine and run with the defaults of its time. A † on ours marks means over runs that took the
+KD batches in pool order (the defaults before the sixty-sixth session; footnote)."""
 
 
 def standing(folder: Path, specified: list[dict[str, Any]] | None = None,
-             paper_cells: list[dict[str, Any]] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+             paper_cells: list[dict[str, Any]] | None = None,
+             grids: list[tuple[str, Path]] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
     """Per Table 1/2 cell ``(dataset, setting)``: ``paper`` (the paper's FedHydra), ``specified`` (FedHydra
     as specified, best-over-epochs per ``specified`` cell: the `reduced` grid) and, for each budget with
     one-cache cells in ``folder`` (in :data:`BUDGETS` order), ``ours`` (:data:`VARIANT`'s best-over-epochs
     per seed, empty where it did not run) and ``best`` (the paper baseline with the highest mean over the
     same cells and that mean, None if none ran in all). With ``paper_cells`` (cells of budget `paper`,
     each one upload cache by construction) that holds :data:`VARIANT` somewhere, ``paper_budget`` too,
-    the same two keys from them. Empty if ``folder`` holds no one-cache cell."""
-    budgets = {b: cells for b in FP32_BUDGETS if (cells := _one_cache_cells(folder, b))}
+    the same two keys from them. Each later grid of ``grids`` (:func:`one_cache_grids`, the first left
+    out) adds its budgets after the first grid's same budget, keyed ``budget@grid``. Empty if
+    ``folder`` holds no one-cache cell."""
+    budgets = {}
+    for b in FP32_BUDGETS:
+        for name, where in [("", folder), *[(g, p) for g, p in grids or [] if g]]:
+            if cells := _one_cache_cells(where, b):
+                budgets[f"{b}@{name}" if name else b] = cells
+    if not budgets:
+        return {}
     if not budgets:
         return {}
     with_paper = any(VARIANT in s["results"] for s in paper_cells or [])
@@ -591,7 +635,14 @@ def _ours_and_best(cells: list[dict[str, Any]], dataset: str, setting: str) -> d
     runs = [s for s in _main_cells(cells, dataset) if _setting_of(s["config"]) == setting and VARIANT in s["results"]]
     _, best = _variant_and_best_baseline(runs)
     mark = common.older_mark(best[0], [s["results"][best[0]] for s in runs]) if best else ""
-    return {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best, "best_mark": mark}
+    return {"ours": [s["results"][VARIANT]["best_accuracy"] for s in runs], "best": best, "best_mark": mark,
+            "ours_mark": common.older_mark(VARIANT, [s["results"][VARIANT] for s in runs])}
+
+
+def _column(key: str) -> str:
+    """A :func:`standing` budget key as the table names it: ```reduced```, or ```reduced``, grid ``amd``` for
+    ``reduced@amd``."""
+    return grid_title(*key.split("@", 1))
 
 
 def standing_report(folder: Path, specified: list[dict[str, Any]] | None = None) -> str:
@@ -609,7 +660,7 @@ def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
     budgets = list(first["budgets"])
     with_paper = "paper_budget" in first
     head = "| dataset | setting | paper FedHydra | as specified, `reduced` | " + " | ".join(
-        f"`{b}` ours | `{b}` best baseline" for b in budgets) + (
+        f"{_column(b)} ours | {_column(b)} best baseline" for b in budgets) + (
         " | `paper` ours | `paper` best baseline" if with_paper else "") + " | ours - paper |"
     lines = [head, "|---|---|---|---|" + "---|---|" * (len(budgets) + with_paper) + "---|"]
     for (dataset, setting), row in rows.items():
@@ -623,13 +674,14 @@ def standing_table(rows: dict[tuple[str, str], dict[str, Any]]) -> str:
         gap = "-"
         if ours:
             top = max(ours, key=ours.get)
-            gap = f"{ours[top] - row['paper']:+.2f} (`{top}`)"
+            gap = f"{ours[top] - row['paper']:+.2f} ({_column(top)})"
         spec = row["specified"]
         spec_text = f"{statistics.fmean(spec):.2f} n={len(spec)}" if spec else "-"
         lines.append(f"| {dataset.upper()} | {_label(setting)} | {row['paper']:.2f} | {spec_text} | "
                      + " | ".join(cols) + f" | {gap} |")
     cells = [c for row in rows.values() for c in [*row["budgets"].values(), row.get("paper_budget", {})]]
-    notes = common.older_footnotes(sorted({c["best"][0] for c in cells if c.get("best_mark")}))
+    notes = common.older_footnotes(sorted({c["best"][0] for c in cells if c.get("best_mark")}
+                                          | ({VARIANT} if any(c.get("ours_mark") for c in cells) else set())))
     return "\n".join(["## Where the reproduction stands (best over epochs, one upload cache)", "",
                       STANDING_INTRO, "", "### Ours beside the paper's FedHydra and the best baseline, per cell",
                       "", *lines, *notes])
@@ -640,7 +692,7 @@ def _ours_columns(cell: dict[str, Any]) -> str:
     if not cell["ours"]:
         return "- | -"
     mean, best = statistics.fmean(cell["ours"]), cell["best"]
-    text = f"{mean:.2f} n={len(cell['ours'])}"
+    text = f"{mean:.2f} n={len(cell['ours'])}{cell.get('ours_mark', '')}"
     return (f"{f'**{text}**' if best is not None and mean > best[1] else text} | "
             + (f"{best[1]:.2f} {LABELS[best[0]]}{cell.get('best_mark', '')}" if best else "none run"))
 
@@ -680,7 +732,8 @@ def plot_standing(rows: dict[tuple[str, str], dict[str, Any]], path: Path) -> Pa
             if best:
                 ax.text(x + 1.5 * width, best[1] + 1, LABELS[best[0]], rotation=90, fontsize=6,
                         ha="center", va="bottom")
-            ticks.append(f"{_label(setting)}\n{budget or 'not run'}" + (f"\nn={len(ours)}" if ours else ""))
+            where = (budget or "not run").replace("@", ", grid ")
+            ticks.append(f"{_label(setting)}\n{where}" + (f"\nn={len(ours)}" if ours else ""))
         ax.set_xticks(range(len(SETTINGS)), labels=ticks, fontsize=7)
         ax.set_title(dataset.upper(), fontsize=9)
         ax.grid(axis="y", alpha=0.3)
@@ -855,17 +908,19 @@ def plot_curves(root: Path, path: Path, budget: str) -> list[Path]:
     return _plot_cells(cells, root, lambda dataset: figure_path(path, dataset, budget), f"budget {budget}")
 
 
-def one_cache_figure_path(path: Path, dataset: str, budget: str) -> Path:
-    """The per-epoch figure of the one-cache cells of one dataset and budget, next to ``path``."""
-    return path.with_name(f"{path.stem}-one-cache-curves-{dataset}-{budget}.png")
+def one_cache_figure_path(path: Path, dataset: str, budget: str, grid_name: str = "") -> Path:
+    """The per-epoch figure of the one-cache cells (of a later grid) of one dataset and budget,
+    next to ``path``."""
+    return path.with_name(f"{path.stem}-one-cache{f'-{grid_name}' if grid_name else ''}-curves-{dataset}-{budget}.png")
 
 
-def plot_one_cache_curves(path: Path, budget: str) -> list[Path]:
-    """:func:`plot_curves` for the archived one-cache cells (:data:`ONE_CACHE`) of ``budget``."""
-    folder = common.archive_folder(path) / ONE_CACHE
+def plot_one_cache_curves(path: Path, budget: str, grid_name: str = "") -> list[Path]:
+    """:func:`plot_curves` for the archived one-cache cells (:data:`ONE_CACHE`, or a later grid's
+    folder) of ``budget``."""
+    folder = common.archive_folder(path) / (f"{LATER_GRID}{grid_name}" if grid_name else ONE_CACHE)
     return _plot_cells(_one_cache_cells(folder, budget), folder,
-                       lambda dataset: one_cache_figure_path(path, dataset, budget),
-                       f"one upload cache, budget {budget}")
+                       lambda dataset: one_cache_figure_path(path, dataset, budget, grid_name),
+                       f"one upload cache, budget {budget}" + (f", grid {grid_name}" if grid_name else ""))
 
 
 def _plot_cells(cells: list[dict[str, Any]], root: Path, out_path: Callable[[str], Path], title: str) -> list[Path]:
@@ -924,7 +979,8 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
     budget's per-epoch figures are drawn where there are curves and linked wherever a figure exists
     (one drawn from runs that are gone stays linked)."""
     archive = common.archive_folder(path)
-    rows = standing(archive / ONE_CACHE, _cells(root, "reduced", archive), _cells(root, "paper", archive))
+    rows = standing(archive / ONE_CACHE, _cells(root, "reduced", archive), _cells(root, "paper", archive),
+                    one_cache_grids(archive))
     standing_body = standing_table(rows)
     figure = plot_standing(rows, path)
     if figure:
@@ -940,13 +996,14 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
         bodies.append(body)
     if body := curve_runs_report(archive / CURVE_RUNS, path):
         bodies.append(body)
-    for budget in FP32_BUDGETS:  # the one-cache sections, each with its per-epoch figures
-        body = one_cache_report(archive / ONE_CACHE, budget)
-        if not body:
-            continue
-        plot_one_cache_curves(path, budget)
-        bodies.append(body + _figure_links([one_cache_figure_path(path, d, budget) for d in DATASETS],
-                                           ", one upload cache"))
+    for grid_name, folder in one_cache_grids(archive):
+        for budget in FP32_BUDGETS:  # the one-cache sections, each with its per-epoch figures
+            body = one_cache_report(folder, budget, grid_name)
+            if not body:
+                continue
+            plot_one_cache_curves(path, budget, grid_name)
+            bodies.append(body + _figure_links([one_cache_figure_path(path, d, budget, grid_name) for d in DATASETS],
+                                               ", one upload cache" + (f", grid {grid_name}" if grid_name else "")))
     if body := precision_report(archive / ONE_CACHE):
         bodies.append(body)
     for budget in FP32_BUDGETS:  # the client-count sweeps, each with its accuracy-versus-K figures
