@@ -605,14 +605,12 @@ def standing(folder: Path, specified: list[dict[str, Any]] | None = None,
     each one upload cache by construction) that holds :data:`VARIANT` somewhere, ``paper_budget`` too,
     the same two keys from them. Each later grid of ``grids`` (:func:`one_cache_grids`, the first left
     out) adds its budgets after the first grid's same budget, keyed ``budget@grid``. Empty if
-    ``folder`` holds no one-cache cell."""
+    neither ``folder`` nor a later grid holds a one-cache cell."""
     budgets = {}
     for b in FP32_BUDGETS:
         for name, where in [("", folder), *[(g, p) for g, p in grids or [] if g]]:
             if cells := _one_cache_cells(where, b):
                 budgets[f"{b}@{name}" if name else b] = cells
-    if not budgets:
-        return {}
     if not budgets:
         return {}
     with_paper = any(VARIANT in s["results"] for s in paper_cells or [])
