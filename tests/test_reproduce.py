@@ -906,6 +906,19 @@ def test_precision_section_pairs_each_bf16_cell_with_its_fp32_twin_on_the_same_u
     merged["results"]["fedhydra_dense_log1p"]["environment"] = {"cpu": "CPU A", "malloc": "glibc 2.36: kept"}
     name.write_text(json.dumps(merged))
     assert "| other host settings |" in paper.precision_report(folder)
+    # ours re-run in fp32 after its reshuffle became the default, the bf16 twin not: the bf16 run is set
+    # beside the fp32 result the re-run replaced (the same defaults), or left out where there is none
+    write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "a" * 64)
+    fp32_file = folder / f"{paper.cell_config('mnist', '0.01', 1, 'reduced-t60-g30')['name']}.json"
+    rerun = json.loads(fp32_file.read_text())
+    older = rerun["results"]["fedhydra_dense_log1p"]
+    rerun["results"]["fedhydra_dense_log1p"] = shuffled("fedhydra_dense_log1p", {**older, "best_accuracy": 75.0})
+    fp32_file.write_text(json.dumps(rerun))
+    assert paper.precision_report(folder) == ""  # no earlier result kept: no like-for-like pair
+    rerun["replaced"] = {"fedhydra_dense_log1p": [{"result": older, "config": {}}]}
+    fp32_file.write_text(json.dumps(rerun))
+    assert "| 70.00 (68.00) | 68.50 (66.50) | -1.50 | -1.50 | 400 → 200 (2.00x) |" in paper.precision_report(folder)
+    write("reduced-t60-g30", {"fedavg": 30.0, "dense": 20.0, "fedhydra_dense_log1p": 70.0}, 400.0, "a" * 64)
     # other uploads: no pair, no section
     write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "b" * 64)
     assert paper.precision_report(folder) == ""

@@ -316,14 +316,25 @@ best over epochs (final epoch in brackets); Δ = bf16 minus fp32. "generation s"
 stage's wall time (T_g x T_G generator steps), compared only where both runs name the same processor
 (`environment.cpu`, recorded since 2026-11-25) and the same malloc setting (`environment.malloc`,
 since the twenty-seventh session's speed fixes), since the fp32 cells may come from another machine
-or older code."""
+or older code. Where a method's fp32 result was re-run after a change of its defaults (marked † in
+the tables) and its bf16 result was not, the fp32 row is the result that re-run replaced, with the
+same defaults as the bf16 one (the cell's `replaced`); a method with no such pair is left out."""
 
 
-def _timing_host(cell: dict[str, Any], method: str) -> tuple[str | None, str | None]:
-    """(processor, malloc setting) a method's timings were measured under: the method's own
-    ``environment`` where a result was merged into an archived cell from another run, else the cell's."""
-    env = cell["results"][method].get("environment") or cell.get("environment", {})
+def _timing_host(cell: dict[str, Any], result: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(processor, malloc setting) a method's ``result`` in ``cell`` was timed under: the result's own
+    ``environment`` where it was merged into an archived cell from another run, else the cell's."""
+    env = result.get("environment") or cell.get("environment", {})
     return env.get("cpu"), env.get("malloc")
+
+
+def _same_defaults(cell: dict[str, Any], method: str, other: dict[str, Any]) -> dict[str, Any] | None:
+    """``cell``'s result of ``method`` that ran the same defaults as ``other`` (both from before a change
+    of the method's defaults, or both after: :func:`common.older_defaults`): its current result, else the
+    latest one a re-run replaced (the cell's ``replaced``); None if neither did."""
+    want = common.older_defaults(method, other)
+    earlier = [e["result"] for e in reversed(cell.get("replaced", {}).get(method, []))]
+    return next((r for r in [cell["results"][method], *earlier] if common.older_defaults(method, r) == want), None)
 
 
 def precision_pairs(folder: Path) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -357,10 +368,13 @@ def precision_report(folder: Path) -> str:
     per_method: dict[str, list[tuple[float, float, float | None]]] = {}
     for budget, base, cell in pairs:
         for m in (m for m in GENERATOR_FAMILY if m in base["results"] and m in cell["results"]):
-            a, b = base["results"][m], cell["results"][m]
+            b = cell["results"][m]
+            a = _same_defaults(base, m, b)  # the arithmetic alone: both runs with the same defaults
+            if a is None:
+                continue
             d_best, d_final = b["best_accuracy"] - a["best_accuracy"], b["accuracy"] - a["accuracy"]
             gen_a, gen_b = (r.get("timing_seconds", {}).get("generation") for r in (a, b))
-            host_a, host_b = _timing_host(base, m), _timing_host(cell, m)
+            host_a, host_b = _timing_host(base, a), _timing_host(cell, b)
             same_host = host_a[0] is not None and host_a == host_b
             speed = gen_a / gen_b if same_host and gen_a and gen_b else None
             per_method.setdefault(m, []).append((d_best, d_final, speed))
@@ -370,6 +384,8 @@ def precision_report(folder: Path) -> str:
             lines.append(f"| `{budget}` | {_cell_key(cell, budget).removeprefix('fedhydra-')} | {LABELS[m]} | "
                          f"{a['best_accuracy']:.2f} ({a['accuracy']:.2f}) | {b['best_accuracy']:.2f} "
                          f"({b['accuracy']:.2f}) | {d_best:+.2f} | {d_final:+.2f} | {timing} |")
+    if not per_method:
+        return ""
     lines += ["", "### Per method: bf16 minus fp32", "",
               "| method | pairs | mean Δ best (sd) | mean Δ final (sd) | largest abs Δ best | "
               "generation speed-up (pairs on one processor) |", "|---|---|---|---|---|---|"]
