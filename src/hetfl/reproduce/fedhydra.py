@@ -622,9 +622,10 @@ def standing(folder: Path, specified: list[dict[str, Any]] | None = None,
     the same two keys from them. Each later grid of ``grids`` (:func:`one_cache_grids`, the first left
     out) adds its budgets after the first grid's same budget, keyed ``budget@grid``. Empty if
     neither ``folder`` nor a later grid holds a one-cache cell."""
+    every_grid = [("", folder), *((g, p) for g, p in grids or [] if g)]
     budgets = {}
     for b in FP32_BUDGETS:
-        for name, where in [("", folder), *[(g, p) for g, p in grids or [] if g]]:
+        for name, where in every_grid:
             if cells := _one_cache_cells(where, b):
                 budgets[f"{b}@{name}" if name else b] = cells
     if not budgets:
@@ -928,10 +929,9 @@ def one_cache_figure_path(path: Path, dataset: str, budget: str, grid_name: str 
     return path.with_name(f"{path.stem}-one-cache{f'-{grid_name}' if grid_name else ''}-curves-{dataset}-{budget}.png")
 
 
-def plot_one_cache_curves(path: Path, budget: str, grid_name: str = "") -> list[Path]:
-    """:func:`plot_curves` for the archived one-cache cells (:data:`ONE_CACHE`, or a later grid's
-    folder) of ``budget``."""
-    folder = common.archive_folder(path) / (f"{LATER_GRID}{grid_name}" if grid_name else ONE_CACHE)
+def plot_one_cache_curves(path: Path, budget: str, folder: Path, grid_name: str = "") -> list[Path]:
+    """:func:`plot_curves` for the archived one-cache cells in ``folder`` (:data:`ONE_CACHE`, or the
+    folder of the later grid ``grid_name``: :func:`one_cache_grids`) of ``budget``."""
     return _plot_cells(_one_cache_cells(folder, budget), folder,
                        lambda dataset: one_cache_figure_path(path, dataset, budget, grid_name),
                        f"one upload cache, budget {budget}" + (f", grid {grid_name}" if grid_name else ""))
@@ -1015,7 +1015,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
             body = one_cache_report(folder, budget, grid_name)
             if not body:
                 continue
-            plot_one_cache_curves(path, budget, grid_name)
+            plot_one_cache_curves(path, budget, folder, grid_name)
             bodies.append(body + _figure_links([one_cache_figure_path(path, d, budget, grid_name) for d in DATASETS],
                                                ", one upload cache" + (f", grid {grid_name}" if grid_name else "")))
     if body := precision_report(archive / ONE_CACHE):
