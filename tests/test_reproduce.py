@@ -1542,6 +1542,16 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
     assert merged["results"]["dense"]["accuracy"] == 70.0 and merged["curves"]["dense"] == [[1, 70.0]]
     assert merged["replaced"] == {"dense": [{"result": {**result, "accuracy": 63.3}, "config": {"epochs": 200},
                                              "curve": [[1, 40.0], [2, 63.3]]}]}
+    # a key set to its default is the config left out (a trial run with --set ...pool_shuffle=true
+    # merges as the re-run at the new default); the cell keeps its config as written; another value is refused
+    explicit = {"config": {**cfg, "methods": {"dense": {"epochs": 200, "pool_shuffle": True}}},
+                "results": {"dense": {**result, "accuracy": 71.0}}}
+    merge_methods(archived, explicit, ["dense"])
+    merged = json.loads(archived.read_text())
+    assert merged["results"]["dense"]["accuracy"] == 71.0 and merged["config"]["methods"]["dense"] == {"epochs": 200}
+    off = {**explicit, "config": {**cfg, "methods": {"dense": {"epochs": 200, "pool_shuffle": False}}}}
+    with pytest.raises(ValueError, match="dense ran with .*'pool_shuffle': False"):
+        merge_methods(archived, off, ["dense"])
 
 
 def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):

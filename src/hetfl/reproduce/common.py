@@ -152,8 +152,9 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     upload cache carried, or on a CPU with it imported) to the archived cell ``archived_file``, with
     their configs and, from ``metrics`` (that run's metrics.jsonl), their per-epoch curves when the
     archived cell keeps curves. Only on the same uploads (:func:`same_uploads`: same setting and the
-    same ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method;
-    ValueError otherwise, naming the mismatch. The archived cell's environment stays its own: each
+    same ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method
+    (:func:`same_method_config`: a key at its default counts as left out; the cell keeps its config as
+    written); ValueError otherwise, naming the mismatch. The archived cell's environment stays its own: each
     merged result carries its own seconds, and a hand-written ``note`` should say where it ran.
     A result the merge replaces is kept, with its config and curve, in the cell's ``replaced``
     (``{method: [{"result": ..., "config": ..., "curve": ...}, ...]}``, oldest first), so a re-run after
@@ -170,7 +171,7 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
                          "(setting or uploads_sha256 differ)")
     for m in methods:
         theirs, ours = summary["config"]["methods"].get(m), archived["config"]["methods"].get(m)
-        if ours is not None and theirs != ours:
+        if ours is not None and not same_method_config(m, theirs, ours):
             raise ValueError(f"{archived_file.name}: {m} ran with {theirs}, the archived cell with {ours}")
     for m in methods:
         if m in archived["results"] and archived["results"][m] != summary["results"][m]:
@@ -179,11 +180,23 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
                 earlier["curve"] = archived["curves"][m]
             archived.setdefault("replaced", {}).setdefault(m, []).append(earlier)
         archived["results"][m] = summary["results"][m]
-        archived["config"]["methods"][m] = summary["config"]["methods"].get(m, {})
+        if m not in archived["config"]["methods"]:  # a method the cell had keeps its config as written
+            archived["config"]["methods"][m] = summary["config"]["methods"].get(m, {})
     if metrics is not None and "curves" in archived:
         archived["curves"].update(logged_curves(metrics, tuple(methods)))
     write_json_atomic(archived_file, archived)
     return methods
+
+
+def same_method_config(method: str, a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Whether two configs of ``method`` run it alike: equal once each is completed with the method's
+    current defaults, so a key set to its default value (``--set methods.dense.pool_shuffle=true``
+    since that became the default) is the same run as the key left out. A config of an unknown method
+    compares as written."""
+    from hetfl.methods import METHODS  # importing the package registers every method
+
+    defaults = getattr(METHODS.get(method), "defaults", {})
+    return {**defaults, **(a or {})} == {**defaults, **(b or {})}
 
 
 def merge_cell_methods(run: Path, methods: list[str], folder: Path) -> tuple[Path, list[str]]:
