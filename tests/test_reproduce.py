@@ -906,6 +906,9 @@ def test_precision_section_pairs_each_bf16_cell_with_its_fp32_twin_on_the_same_u
     merged["results"]["fedhydra_dense_log1p"]["environment"] = {"cpu": "CPU A", "malloc": "glibc 2.36: kept"}
     name.write_text(json.dumps(merged))
     assert "| other host settings |" in paper.precision_report(folder)
+    merged["results"]["fedhydra_dense_log1p"]["environment"] = {"cpu": "CPU A", "threads": 1}  # another thread count
+    name.write_text(json.dumps(merged))
+    assert "| other host settings |" in paper.precision_report(folder)
     # ours re-run in fp32 after its reshuffle became the default, the bf16 twin not: the bf16 run is set
     # beside the fp32 result the re-run replaced (the same defaults), or left out where there is none
     write("reduced-t60-g30-bf16", {"fedavg": 30.0, "fedhydra_dense_log1p": 68.5}, 200.0, "a" * 64)
@@ -1552,6 +1555,16 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
     off = {**explicit, "config": {**cfg, "methods": {"dense": {"epochs": 200, "pool_shuffle": False}}}}
     with pytest.raises(ValueError, match="dense ran with .*'pool_shuffle': False"):
         merge_methods(archived, off, ["dense"])
+    # a run timed under another environment than the cell's carries it on its merged result; the same
+    # run merged again replaces nothing
+    elsewhere = {**explicit, "environment": {"cpu": "AMD EPYC", "threads": 1}}
+    merge_methods(archived, elsewhere, ["dense"])
+    merged = json.loads(archived.read_text())
+    env = {"cpu": "AMD EPYC", "threads": 1}
+    assert merged["results"]["dense"] == {**explicit["results"]["dense"], "environment": env}
+    assert "environment" not in merged and len(merged["replaced"]["dense"]) == 3
+    merge_methods(archived, elsewhere, ["dense"])
+    assert json.loads(archived.read_text()) == merged
 
 
 def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):

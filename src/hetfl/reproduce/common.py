@@ -155,7 +155,9 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     same ``uploads_sha256``) and with each method's config as the archived cell's, where it names the method
     (:func:`same_method_config`: a key at its default counts as left out; the cell keeps its config as
     written); ValueError otherwise, naming the mismatch. The archived cell's environment stays its own: each
-    merged result carries its own seconds, and a hand-written ``note`` should say where it ran.
+    merged result carries its own seconds and, where the run's ``environment`` differs from the cell's
+    (another processor, thread count or device), that environment too, so timings are compared only
+    under like settings; a hand-written ``note`` should say where it ran.
     A result the merge replaces is kept, with its config and curve, in the cell's ``replaced``
     (``{method: [{"result": ..., "config": ..., "curve": ...}, ...]}``, oldest first), so a re-run after
     a change of defaults (:data:`CHANGED_DEFAULTS`) can be read beside the run it replaced."""
@@ -173,13 +175,17 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
         theirs, ours = summary["config"]["methods"].get(m), archived["config"]["methods"].get(m)
         if ours is not None and not same_method_config(m, theirs, ours):
             raise ValueError(f"{archived_file.name}: {m} ran with {theirs}, the archived cell with {ours}")
+    env = summary.get("environment")
     for m in methods:
-        if m in archived["results"] and archived["results"][m] != summary["results"][m]:
+        result = summary["results"][m]
+        if env and env != archived.get("environment") and "environment" not in result:
+            result = {**result, "environment": env}  # timed elsewhere: its timings name their own host
+        if m in archived["results"] and archived["results"][m] != result:
             earlier = {"result": archived["results"][m], "config": archived["config"]["methods"].get(m, {})}
             if m in archived.get("curves", {}):
                 earlier["curve"] = archived["curves"][m]
             archived.setdefault("replaced", {}).setdefault(m, []).append(earlier)
-        archived["results"][m] = summary["results"][m]
+        archived["results"][m] = result
         if m not in archived["config"]["methods"]:  # a method the cell had keeps its config as written
             archived["config"]["methods"][m] = summary["config"]["methods"].get(m, {})
     if metrics is not None and "curves" in archived:

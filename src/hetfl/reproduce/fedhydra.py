@@ -314,18 +314,20 @@ fp32 twin's cells on the same uploads (equal `uploads_sha256`, else FedAvg and t
 last digit) with the same seeds, so each row below differs in the arithmetic alone. Accuracy is
 best over epochs (final epoch in brackets); Δ = bf16 minus fp32. "generation s" is the generator
 stage's wall time (T_g x T_G generator steps), compared only where both runs name the same processor
-(`environment.cpu`, recorded since 2026-11-25) and the same malloc setting (`environment.malloc`,
-since the twenty-seventh session's speed fixes), since the fp32 cells may come from another machine
-or older code. Where a method's fp32 result was re-run after a change of its defaults (marked † in
-the tables) and its bf16 result was not, the fp32 row is the result that re-run replaced, with the
-same defaults as the bf16 one (the cell's `replaced`); a method with no such pair is left out."""
+(`environment.cpu`, recorded since 2026-11-25), the same malloc setting (`environment.malloc`,
+since the twenty-seventh session's speed fixes) and the same torch thread count, since the fp32 cells
+may come from another machine or older code. Where a method's fp32 result was re-run after a change of
+its defaults (marked † in the tables) and its bf16 result was not, the fp32 row is the result that
+re-run replaced, with the same defaults as the bf16 one (the cell's `replaced`); a method with no such
+pair is left out."""
 
 
-def _timing_host(cell: dict[str, Any], result: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(processor, malloc setting) a method's ``result`` in ``cell`` was timed under: the result's own
-    ``environment`` where it was merged into an archived cell from another run, else the cell's."""
+def _timing_host(cell: dict[str, Any], result: dict[str, Any]) -> tuple[str | None, str | None, int | None]:
+    """(processor, malloc setting, torch threads) a method's ``result`` in ``cell`` was timed under: the
+    result's own ``environment`` where it was merged into an archived cell from another run
+    (:func:`common.merge_methods` records it), else the cell's."""
     env = result.get("environment") or cell.get("environment", {})
-    return env.get("cpu"), env.get("malloc")
+    return env.get("cpu"), env.get("malloc"), env.get("threads")
 
 
 def _same_defaults(cell: dict[str, Any], method: str, other: dict[str, Any]) -> dict[str, Any] | None:
