@@ -1408,6 +1408,65 @@ def test_partial_report_compares_reruns_with_their_archived_cells_and_lists_what
     assert "cell-a | m1" not in only and "cell-c" not in only  # methods the archived cells have
 
 
+def test_replace_cell_keeps_the_earlier_copy_apart_and_the_report_sets_them_side_by_side(tmp_path):
+    from hetfl.reproduce.common import PARTIAL, REPLACED_WHOLE, partial_report, replace_cell
+
+    archive, runs = tmp_path / "archive", tmp_path / "runs"
+    archive.mkdir()
+    setting = {"dataset": "mnist", "seed": 0, "clients": 10, "partition": {"alpha": 0.1}}
+
+    def cell(name: str, results: dict, **config) -> dict:
+        here = results["fedavg"]["accuracy"] > 50  # the later runs ran here
+        return {"config": {"name": name, **setting, **config}, "results": results,
+                "environment": {"cpu": "here" if here else "there"}}
+
+    earlier = {"fedavg": {"accuracy": 50.0, "uploads_sha256": "a"},
+               "coboosting": {"accuracy": 60.0, "best_accuracy": 64.0, "uploads_sha256": "a"},  # no params: older
+               "dense": {"accuracy": 40.0, "uploads_sha256": "a"}}
+    for name in ("c-s0", "c-s1"):
+        (archive / f"{name}.json").write_text(json.dumps({**cell(name, earlier), "note": "by hand"}))
+    params = {"grad_clip": 10.0, "generator_grad_clip": 10.0, "pool_shuffle": True}
+    later = {"fedavg": {"accuracy": 51.0, "uploads_sha256": "b"},
+             "coboosting": {"accuracy": 66.0, "best_accuracy": 67.0, "params": params, "uploads_sha256": "b"},
+             "dense": {"accuracy": 41.0, "best_accuracy": 42.0, "uploads_sha256": "b"}}
+
+    def run(name: str, results: dict, **config) -> Path:
+        (runs / name).mkdir(parents=True, exist_ok=True)
+        (runs / name / "summary.json").write_text(json.dumps(cell(name, results, **config)))
+        return runs / name
+
+    with pytest.raises(ValueError, match="has not finished"):
+        replace_cell(runs / "c-s0", archive, "before")
+    with pytest.raises(ValueError, match="no archived cell named c-s9"):
+        replace_cell(run("c-s9", later), archive, "before")
+    with pytest.raises(ValueError, match=r"setting differs .*\['seed'\]"):
+        replace_cell(run("c-s0", later, seed=1), archive, "before")
+    with pytest.raises(ValueError, match=r"lacks \['dense'\]"):
+        replace_cell(run("c-s0", {m: r for m, r in later.items() if m != "dense"}), archive, "before")
+    assert json.loads((archive / "c-s0.json").read_text())["results"] == earlier  # refusals leave it alone
+
+    target, kept = replace_cell(run("c-s0", later), archive, "before")
+    assert target == archive / "c-s0.json" and kept == archive / PARTIAL / "before" / "c-s0.json"
+    assert json.loads(target.read_text())["results"] == later
+    assert "note" not in json.loads(target.read_text())  # the hand-written note stays with the run it was about
+    old = json.loads(kept.read_text())
+    assert old["results"] == earlier and old["note"] == "by hand"
+    assert old[REPLACED_WHOLE]["environment"] == {"cpu": "here"}
+    with pytest.raises(ValueError, match="already kept"):
+        replace_cell(run("c-s0", later), archive, "before")
+    later1 = {**later, "coboosting": {**later["coboosting"], "accuracy": 70.0, "best_accuracy": 71.0}}
+    replace_cell(run("c-s1", later1), archive, "before")
+
+    text = partial_report(archive, {"coboosting": "Co-Boosting"})
+    # Δ is the later run (the archived cell) minus the earlier (kept): fedavg +1, coboosting +6/+10, dense +1;
+    # the earlier copies ran both generator methods at their older defaults (no params recorded): †
+    assert "| `before` | 2 | 0 of 2 | 6 | 3.33 / +10.00 |" in text  # mean |1, 6, 1, 1, 10, 1|
+    whole = text[text.index("Cells that a later run of the whole cell replaced"):]
+    assert "| `before` | Co-Boosting † | 2 | 64.00 (60.00) | 69.00 (68.00) | +5.00 | +8.00 |" in whole
+    assert "| `before` | dense † | 2 | 40.00 (40.00) | 42.00 (41.00) | +2.00 | +1.00 |" in whole
+    assert "| `before` | fedavg | 2 | 50.00 (50.00) | 51.00 (51.00) | +1.00 | +1.00 |" in whole
+
+
 def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     from hetfl.reproduce.fedhydra import curve_run_rows, curve_runs_report
 
@@ -1890,6 +1949,28 @@ def test_archive_merge_command_merges_a_rerun_cell_and_refuses_other_uploads(tmp
     assert main(["archive-merge", "fedhydra", str(tmp_path / "none"), "--methods", "coboosting",
                  "--results", str(results)]) == 2
     assert "summary.json: missing" in capsys.readouterr().err
+
+
+def test_archive_replace_command_swaps_whole_cells_and_names_refusals(tmp_path, capsys):
+    from hetfl.cli import main
+
+    archive = tmp_path / "fedmho-runs"
+    archive.mkdir()
+    cfg = {"name": "fedmho-mnist-a0.1-s0-reduced", "dataset": "mnist", "seed": 0, "clients": 10,
+           "partition": {"kind": "dirichlet", "alpha": 0.1}, "methods": {"fedavg": {}, "fedmho": {}}}
+    results = {"fedavg": {"accuracy": 40.0}, "fedmho": {"accuracy": 80.0}}
+    (archive / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results}))
+    run = tmp_path / "runs" / cfg["name"]
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"config": cfg, "results": {"fedavg": {"accuracy": 41.0}}}))
+    args = ["archive-replace", "fedmho", str(run), "--kept-as", "before", "--results", str(tmp_path / "fedmho.md")]
+    assert main(args) == 2
+    assert "lacks ['fedmho']" in capsys.readouterr().err
+    (run / "summary.json").write_text(json.dumps({"config": cfg, "results": {**results, "fedavg": {"accuracy": 41.0}}}))
+    assert main(args) == 0
+    assert "the earlier copy kept as" in capsys.readouterr().out
+    assert json.loads((archive / f"{cfg['name']}.json").read_text())["results"]["fedavg"]["accuracy"] == 41.0
+    assert json.loads((archive / "partial" / "before" / f"{cfg['name']}.json").read_text())["results"] == results
 
 
 def test_retrain_mismatch_names_the_recorded_differences_and_ignores_unrecorded_ones():

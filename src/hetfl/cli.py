@@ -265,6 +265,21 @@ def cmd_archive_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_archive_replace(args: argparse.Namespace) -> int:
+    from hetfl.reproduce.common import archive_folder, replace_cell
+
+    results = Path(args.results or f"docs/results/{args.paper}.md")
+    curves: tuple[str, ...] = ()
+    if args.paper == "fedhydra":  # FedMHO's cells keep Fig. 6's curve in the summary
+        from hetfl.reproduce.fedhydra import CURVE_METHODS as curves
+    for run in args.cells:
+        target, kept = replace_cell(Path(run), archive_folder(results), args.kept_as, curves)
+        print(f"archived {run} as {target}; the earlier copy kept as {kept}")
+    print(f"rewrite the report with `hetfl reproduce {args.paper} --report-only --out <empty folder> "
+          f"--results {results}`")
+    return 0
+
+
 def cmd_archive_check(args: argparse.Namespace) -> int:
     import torch
 
@@ -443,6 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
                      "'' for the archive itself)")
     mrg.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     mrg.set_defaults(func=cmd_archive_merge)
+
+    rep = sub.add_parser("archive-replace", help="archive `hetfl reproduce` cells run again whole (every method, "
+                         "uploads trained again: after a change of defaults, on a machine that does not retrain the "
+                         "archived uploads) in place of the archived cells of their names; the earlier copies go to "
+                         "<paper>-runs/partial/KEPT_AS/ and the report sets the two side by side")
+    rep.add_argument("paper", choices=["fedhydra", "fedmho"])
+    rep.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
+    rep.add_argument("--kept-as", required=True,
+                     help="partial/ subfolder for the earlier copies, e.g. reduced-before-s68")
+    rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
+    rep.set_defaults(func=cmd_archive_replace)
 
     chk = sub.add_parser("archive-check", help="whether clients retrained here (CPU, this torch, OMP_NUM_THREADS) "
                          "would upload the named archived cells' models byte for byte, before a re-run spends "

@@ -368,6 +368,48 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     return entry
 
 
+REPLACED_WHOLE = "replaced_whole"  # key of a cell kept apart under partial/ after a whole re-run replaced it
+
+
+def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """Archive the finished cell ``run`` (a `hetfl reproduce` cell folder: summary.json, metrics.jsonl)
+    in place of the archived cell of its name, a whole re-run of it (every method, on uploads trained
+    again, e.g. on another machine after a change of defaults), and keep the earlier copy apart as
+    ``archive/partial/<kept_as>/<name>.json`` with ``replaced_whole`` (the run's environment and when it
+    replaced it), so "Re-runs kept apart" reads the two side by side. ValueError, naming the problem,
+    where the run has not finished, no archived cell has its name, its setting differs
+    (:data:`UPLOAD_KEYS`), it lacks a method the archived cell has, or ``kept_as`` already holds the cell.
+    Returns (the archived cell, where the earlier copy went)."""
+    summary_file = run / "summary.json"
+    if not summary_file.is_file():
+        raise ValueError(f"{summary_file}: missing (the cell has not finished)")
+    summary = json.loads(summary_file.read_text())
+    name = summary["config"]["name"]
+    target = archive / f"{name}.json"
+    if not target.is_file():
+        raise ValueError(f"{target}: no archived cell named {name} to replace")
+    if run.name != name:
+        raise ValueError(f"{run}: its summary names the cell {name}; archive_cell needs the folder named so")
+    earlier = json.loads(target.read_text())
+    differ = [k for k in UPLOAD_KEYS if earlier["config"].get(k) != summary["config"].get(k)]
+    if differ:
+        raise ValueError(f"{name}: the re-run's setting differs from the archived cell's in {differ}")
+    if drops_methods(earlier, summary):
+        lost = sorted(set(earlier["results"]) - set(summary["results"]))
+        raise ValueError(f"{name}: the re-run lacks {lost}, which the archived cell has (run them too, "
+                         "or merge single methods with archive-merge)")
+    kept = archive / PARTIAL / kept_as / f"{name}.json"
+    if kept.exists():
+        raise ValueError(f"{kept}: already kept; choose another name for the earlier copies")
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    stamp = {"environment": summary.get("environment", {}), "on": time.strftime("%Y-%m-%d")}
+    write_json_atomic(kept, {**earlier, REPLACED_WHOLE: stamp})
+    target.unlink()
+    saved = archive_cell(run.parent, name, archive, curve_methods)
+    assert saved == target, saved
+    return target, kept
+
+
 def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     """``(runs folder, summary, archived cell or None)`` for every summary kept apart under
     ``archive/partial/<runs folder>/`` (:func:`archive_cell`), sorted by folder and cell name."""
@@ -417,8 +459,13 @@ code and config), kept in `{where}` because they lack some of the archived cell'
 there by hand, because a later run of the whole cell replaced them, or because their config differs from
 the budget's in a way their name says, such as `-amx-bf16`), so the tables above do not use them.
 Per runs folder: how many cells had byte-identical uploads, and how far the methods both runs have lie
-apart (final %, this run minus the archived cell); then every method that only these re-runs
+apart (final %, the later run minus the earlier); then every method that only these re-runs
 measured."""
+
+WHOLE_INTRO = """Cells that a later run of the whole cell replaced (`hetfl archive-replace`: every method again,
+on uploads trained again), per method: the mean over those cells of the earlier copies (kept apart)
+and of the archived cells that replaced them. Best over epochs % (final %); Δ = later minus earlier.
+Marked methods ran older defaults in some earlier copies ({mark}: the footnotes of the tables above)."""
 
 
 def partial_report(archive: Path, labels: dict[str, str]) -> str:
@@ -433,8 +480,8 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
     only: list[str] = []
     for folder in sorted({f for f, _, _ in runs}):
         pairs = [(s, a) for f, s, a in runs if f == folder]
-        deltas = [s["results"][m]["accuracy"] - a["results"][m]["accuracy"]
-                  for s, a in pairs if a is not None for m in s["results"] if m in a["results"]]
+        deltas = [_later_minus_earlier(s, a, m) for s, a in pairs if a is not None
+                  for m in s["results"] if m in a["results"]]
         same = f"{sum(a is not None and same_uploads(s, a) for s, a in pairs)} of {len(pairs)}"
         why = [f"{n} {what}" for n, what in (
             (sum(a is None for _, a in pairs), "with no archived cell"),
@@ -453,7 +500,42 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
     if only:
         lines += ["", "Measured only in these re-runs:", "", "| cell | method | final (best) % | runs folder |",
                   "|---|---|---|---|", *only]
-    return "\n".join(lines)
+    return "\n".join(lines + _replaced_whole_lines(runs, labels))
+
+
+def _later_minus_earlier(kept: dict[str, Any], archived: dict[str, Any], method: str, key: str = "accuracy") -> float:
+    """``method``'s ``key`` in the later of a kept-apart summary and its archived cell minus the earlier:
+    the archived cell is the later where it replaced the kept one whole (:data:`REPLACED_WHOLE`)."""
+    a, b = archived["results"][method], kept["results"][method]
+    later, earlier = (a, b) if REPLACED_WHOLE in kept else (b, a)
+    return later.get(key, later["accuracy"]) - earlier.get(key, earlier["accuracy"])
+
+
+def _replaced_whole_lines(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
+                          labels: dict[str, str]) -> list[str]:
+    """The per-method table of :data:`WHOLE_INTRO` (no lines when no kept cell was replaced whole)."""
+    pairs = [(f, s, a) for f, s, a in runs if REPLACED_WHOLE in s and a is not None]
+    if not pairs:
+        return []
+    out = ["", WHOLE_INTRO.format(mark=OLDER_MARK), "",
+           "| runs folder | method | cells | earlier | later | Δ best | Δ final |", "|---|---|---|---|---|---|---|"]
+    for folder in sorted({f for f, _, _ in pairs}):
+        group = [(s, a) for f, s, a in pairs if f == folder]
+        methods = sorted({m for s, a in group for m in s["results"] if m in a["results"]},
+                         key=lambda m: labels.get(m, m))
+        for m in methods:
+            both = [(s, a) for s, a in group if m in s["results"] and m in a["results"]]
+
+            def mean(rs: list[dict[str, Any]], key: str) -> float:
+                return statistics.fmean(r.get(key, r["accuracy"]) for r in rs)
+
+            before, after = [s["results"][m] for s, _ in both], [a["results"][m] for _, a in both]
+            out.append(f"| `{folder}` | {labels.get(m, m)}{older_mark(m, before)} | {len(both)} | "
+                       f"{mean(before, 'best_accuracy'):.2f} ({mean(before, 'accuracy'):.2f}) | "
+                       f"{mean(after, 'best_accuracy'):.2f} ({mean(after, 'accuracy'):.2f}) | "
+                       f"{statistics.fmean(_later_minus_earlier(s, a, m, 'best_accuracy') for s, a in both):+.2f} | "
+                       f"{statistics.fmean(_later_minus_earlier(s, a, m) for s, a in both):+.2f} |")
+    return out
 
 
 # Methods whose defaults changed after results were archived: the settings since, and what the
