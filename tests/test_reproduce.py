@@ -243,6 +243,20 @@ def test_adding_a_method_to_a_finished_cell_runs_only_that_method(tmp_path, monk
     assert ran == [["fedavg"], ["ensemble"]]  # the third call finds both methods finished
     assert both["results"]["fedavg"] == first["results"]["fedavg"]
     assert set(both["results"]) == set(again["results"]) == {"fedavg", "ensemble"}
+    assert first["uploads_trained"] == 3  # the cell trained its 3 clients' uploads; the ensemble read them
+    assert both["uploads_trained"] == again["uploads_trained"] == 3  # kept when methods join the cell
+    elsewhere = run_missing_methods(validate({**base, "methods": {"fedavg": {}}}), tmp_path / "b",
+                                    tmp_path / "cache", None, True)
+    assert "uploads_trained" not in elsewhere  # every upload from a cache another cell filled
+
+
+def test_minutes_note_counts_cached_cells_only_where_the_cell_trained_no_upload():
+    from hetfl.reproduce.fedmho import _all_cached
+
+    read = {"config": {"clients": 2}, "results": {"fedavg": {"cached_uploads": 2}, "fedmho": {"cached_uploads": 2}}}
+    assert _all_cached(read)
+    assert not _all_cached({**read, "uploads_trained": 12})  # its clients' job trained them (--jobs)
+    assert not _all_cached({**read, "results": {**read["results"], "fedavg": {"cached_uploads": 1}}})
 
 
 def test_a_cell_run_before_a_schema_key_existed_keeps_its_methods():
@@ -354,6 +368,7 @@ def test_parallel_cells_give_the_sequential_results_and_resume_nothing_twice(tmp
         assert par["results"][m]["accuracy"] == seq["results"][m]["accuracy"], m
         assert seq["results"][m]["cached_uploads"] == 3  # the same uploads, from the cache
     assert par["results"]["dense"]["cached_uploads"] == par["results"]["fedhydra"]["cached_uploads"] == 3
+    assert par["uploads_trained"] == 3 and "uploads_trained" not in seq  # the clients' job trained them
     assert (tmp_path / "par" / "tiny" / "fedhydra" / "stratification.json").is_file()
     rows = [json.loads(r) for r in (tmp_path / "par" / "tiny" / "metrics.jsonl").read_text().splitlines()]
     assert {r["method"] for r in rows} == set(cfg["methods"])
@@ -455,8 +470,9 @@ def test_train_uploads_of_a_shard_trains_only_its_clients(tmp_path, tiny_config)
     assert sim.train_uploads({"fedavg": {}}, [2, 0]) == {"fedavg": 2}
     assert len(list(cache.rglob("*.safetensors"))) == 2
     sim = Simulator(prepare(cfg), tmp_path / "b", cache, quiet=True)
-    assert sim.train_uploads({"fedavg": {}}, [1]) == {"fedavg": 1}
+    assert sim.train_uploads({"fedavg": {}}, [1]) == {"fedavg": 1} and sim.trained_uploads == 1
     assert sim.train_uploads({"fedavg": {}}) == {"fedavg": 3} and sim.cached_calls == 3  # all cached now
+    assert sim.trained_uploads == 1
     with pytest.raises(ValueError, match=r"no client \[3\] in a cell of 3 clients"):
         sim.train_uploads({"fedavg": {}}, [1, 3])
 

@@ -152,6 +152,7 @@ class Simulator:
         self.resume = resume
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.cached_calls = 0
+        self.trained_uploads = 0  # uploads this simulator trained and put into its cache (all its methods)
         self.engine_info: dict[str, Any] = {"name": "simulator"} if transport is None else {"name": "remote"}
         if self.batch_clients:
             self.engine_info["batch_clients"] = True
@@ -280,6 +281,7 @@ class Simulator:
                 upload = handle(message, env)
                 seconds = prior + time.perf_counter() - start
             if key:
+                self.trained_uploads += 1
                 # the thread count is recorded, not keyed: CPU kernels split their sums by thread,
                 # so retraining with another count gives other bits (a cached upload is reused as is)
                 self.cache.put(key, upload, {"fingerprint": self._fingerprint(cid), "request": message.meta,

@@ -822,6 +822,9 @@ def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return prior
 
 
+UPLOADS_TRAINED = "uploads_trained"  # summary key: client uploads the cell's own processes trained (cached)
+
+
 def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """``summary`` (the methods just run) joined with ``prior``'s other methods, written to
     ``summary.json``; the cell's minutes are the earlier run's plus this one's (``prior_minutes``),
@@ -833,6 +836,8 @@ def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> 
               "results": {**{m: r for m, r in prior["results"].items() if m not in summary["results"]},
                           **summary["results"]},
               "prior_minutes": prior.get("minutes", 0.0) + prior.get("prior_minutes", 0.0)}
+    if trained := prior.get(UPLOADS_TRAINED, 0) + summary.get(UPLOADS_TRAINED, 0):
+        merged[UPLOADS_TRAINED] = trained
     (out / "config.json").write_text(json.dumps(merged["config"], indent=1))
     (out / "summary.json").write_text(json.dumps(merged, indent=1))  # before the prior copy goes
     with open(out / "metrics.jsonl", "w") as f:
@@ -864,7 +869,11 @@ def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data
     sim = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=quiet, data_root=data_root)
     if warm:
         sim.train_uploads(warm)
-    return merge_results(out, prior, sim.run())
+    summary = sim.run()
+    if sim.trained_uploads:  # its methods may all read them from the cache, yet this cell trained them
+        summary[UPLOADS_TRAINED] = sim.trained_uploads
+        write_json_atomic(out / "summary.json", summary)  # the simulator wrote it without
+    return merge_results(out, prior, summary)
 
 
 def train_upload_shard(cfg: dict[str, Any], out: Path, cache: Path, data_root: str | None, quiet: bool,

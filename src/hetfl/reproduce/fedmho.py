@@ -231,9 +231,12 @@ def feddf_protocol_note(cells: list[dict[str, Any]]) -> str:
 
 
 def _all_cached(cell: dict[str, Any]) -> bool:
-    """Every method of the cell got every upload from the cache (its minutes are server stages)."""
+    """Every method of the cell got every upload from the cache, and none of the cell's own processes
+    trained them (`--jobs`: the cell's clients' job trains them into the cache, then its methods read
+    them there): its minutes are server stages."""
     clients = cell["config"]["clients"]
-    return all(r.get("cached_uploads") == clients for r in cell["results"].values())
+    return (not cell.get(common.UPLOADS_TRAINED)
+            and all(r.get("cached_uploads") == clients for r in cell["results"].values()))
 
 
 def _minutes(cells: list[dict[str, Any]]) -> str:
