@@ -406,7 +406,8 @@ def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[st
     write_json_atomic(kept, {**earlier, REPLACED_WHOLE: stamp})
     target.unlink()
     saved = archive_cell(run.parent, name, archive, curve_methods)
-    assert saved == target, saved
+    if saved != target:  # archive_cell keeps a summary apart only beside an archived copy, gone now
+        raise RuntimeError(f"{name}: archived as {saved}, not {target}")
     return target, kept
 
 
@@ -456,8 +457,9 @@ def upload_digests(cell: dict[str, Any]) -> set[str]:
 
 PARTIAL_INTRO = """Summaries of methods run again into another runs folder, on the seeds of archived cells (same
 code and config), kept in `{where}` because they lack some of the archived cell's methods (or, moved
-there by hand, because a later run of the whole cell replaced them, or because their config differs from
-the budget's in a way their name says, such as `-amx-bf16`), so the tables above do not use them.
+there by `hetfl archive-replace` or by hand, because a later run of the whole cell replaced them, or
+because their config differs from the budget's in a way their name says, such as `-amx-bf16`), so the
+tables above do not use them.
 Per runs folder: how many cells had byte-identical uploads, and how far the methods both runs have lie
 apart (final %, the later run minus the earlier); then every method that only these re-runs
 measured."""
@@ -511,6 +513,11 @@ def _later_minus_earlier(kept: dict[str, Any], archived: dict[str, Any], method:
     return later.get(key, later["accuracy"]) - earlier.get(key, earlier["accuracy"])
 
 
+def _mean_of(results: list[dict[str, Any]], key: str) -> float:
+    """Mean ``key`` of method results (``accuracy`` where a result lacks it)."""
+    return statistics.fmean(r.get(key, r["accuracy"]) for r in results)
+
+
 def _replaced_whole_lines(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
                           labels: dict[str, str]) -> list[str]:
     """The per-method table of :data:`WHOLE_INTRO` (no lines when no kept cell was replaced whole)."""
@@ -525,14 +532,10 @@ def _replaced_whole_lines(runs: list[tuple[str, dict[str, Any], dict[str, Any] |
                          key=lambda m: labels.get(m, m))
         for m in methods:
             both = [(s, a) for s, a in group if m in s["results"] and m in a["results"]]
-
-            def mean(rs: list[dict[str, Any]], key: str) -> float:
-                return statistics.fmean(r.get(key, r["accuracy"]) for r in rs)
-
             before, after = [s["results"][m] for s, _ in both], [a["results"][m] for _, a in both]
             out.append(f"| `{folder}` | {labels.get(m, m)}{older_mark(m, before)} | {len(both)} | "
-                       f"{mean(before, 'best_accuracy'):.2f} ({mean(before, 'accuracy'):.2f}) | "
-                       f"{mean(after, 'best_accuracy'):.2f} ({mean(after, 'accuracy'):.2f}) | "
+                       f"{_mean_of(before, 'best_accuracy'):.2f} ({_mean_of(before, 'accuracy'):.2f}) | "
+                       f"{_mean_of(after, 'best_accuracy'):.2f} ({_mean_of(after, 'accuracy'):.2f}) | "
                        f"{statistics.fmean(_later_minus_earlier(s, a, m, 'best_accuracy') for s, a in both):+.2f} | "
                        f"{statistics.fmean(_later_minus_earlier(s, a, m) for s, a in both):+.2f} |")
     return out
