@@ -1275,6 +1275,8 @@ def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figur
         cfg = paper.cell_config("mnist", "0.5", seed, "reduced", clients=k)
         accs = {m: acc for m in methods} | {"fedhydra_dense_log1p": acc + (-5.0 if k == 50 else 5.0)}
         results = {m: {"accuracy": a - 1, "best_accuracy": a} for m, a in accs.items()}
+        if k != 50:  # ours ran today's defaults (its params say so) but at K = 50; DENSE and Co-Boosting never
+            results["fedhydra_dense_log1p"]["params"] = {"pool_shuffle": True}
         (folder / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results, "minutes": k / 5}))
     assert paper.cell_config("mnist", "0.5", 0, "reduced", clients=10)["name"] == "fedhydra-mnist-0.5-m10-s0-reduced"
     text = paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", tmp_path / "fedhydra.md", "reduced"))
@@ -1283,7 +1285,10 @@ def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figur
     rows = [x for x in lines if x.startswith("| 5 |") or x.startswith("| 10 |") or x.startswith("| 50 |")]
     assert [r.split(" |")[0] for r in rows] == ["| 5", "| 10", "| 50"]  # ours, in K order
     assert rows[0].startswith("| 5 | 80.00 (79.00) n=1 |")  # seed 0 only: seed 1 did not sweep
-    assert rows[2].endswith("| 45.00 (44.00) n=1 | 10.00 |")  # ours, then the cell's minutes
+    assert rows[2].endswith("| 45.00 (44.00) n=1 † | 10.00 |")  # ours (older defaults), then the cell's minutes
+    assert rows[1].endswith("| 70.00 (69.00) n=1 † | 75.00 (74.00) n=1 | 2.00 |")  # Co-Boosting †, ours not
+    footnotes = [x for x in lines if x.startswith("† ")]
+    assert len(footnotes) == 3 and any(x.startswith("† Ours (FedHydra in DENSE's loop") for x in footnotes)
     verdict = next(x for x in lines if x.startswith("`fedhydra_dense_log1p` against"))
     assert "K = 10: above FedAvg (75.00 vs 70.00)" in verdict and "K = 50: below FedAvg (45.00 vs 50.00)" in verdict
     assert verdict.endswith("Per (K, seed): above every baseline run in 2 of 3.")  # K = 5 and 10 of seed 0

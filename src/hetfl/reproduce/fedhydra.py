@@ -473,8 +473,10 @@ def client_sweep_report(cells: list[dict[str, Any]], budget: str = "reduced") ->
                   "|---|" + "---|" * (len(methods) + 1)]
         for k, runs in per_k.items():
             minutes = [cell_minutes(s) for s in runs if s.get("minutes")]
-            lines.append(f"| {k} | " + " | ".join(_ours([s["results"][m] for s in runs]) for m in methods)
+            results = {m: [s["results"][m] for s in runs] for m in methods}
+            lines.append(f"| {k} | " + " | ".join(_ours(results[m]) + common.older_mark(m, results[m]) for m in methods)
                          + f" | {_stats(minutes) if minutes else '-'} |")
+        lines += common.older_note(methods, [s for runs in per_k.values() for s in runs])
         if VARIANT in methods:
             lines += ["", _sweep_verdict(per_k)]
     lines += ["", "### The paper's client-count tables (other datasets, α = 0.5: the trend to compare with)", "",
