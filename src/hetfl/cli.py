@@ -322,6 +322,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _archive_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A subcommand on a paper's archive of results: its ``paper`` argument and ``--results``."""
+    cmd = sub.add_parser(name, help=help_text)
+    cmd.add_argument("paper", choices=["fedhydra", "fedmho"])
+    cmd.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
+    return cmd
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetfl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -434,9 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--quiet", action="store_true")
     rep.set_defaults(func=cmd_reproduce)
 
-    arc = sub.add_parser("archive-run", help="keep a `hetfl run` made on an archived cell's uploads: its curve in "
-                         "<paper>-runs/paper-server-curves (runs.json) and, with --merge, its result in the cell")
-    arc.add_argument("paper", choices=["fedhydra", "fedmho"])
+    arc = _archive_parser(sub, "archive-run", "keep a `hetfl run` made on an archived cell's uploads: its curve in "
+                          "<paper>-runs/paper-server-curves (runs.json) and, with --merge, its result in the cell")
     arc.add_argument("run", help="the run's output folder (summary.json, metrics.jsonl), or a device trial's "
                      "NAME.summary.json from scripts/device-trials.sh (NAME.jsonl beside it)")
     arc.add_argument("--method", required=True, help="the method of that run to keep")
@@ -445,40 +452,33 @@ def build_parser() -> argparse.ArgumentParser:
     arc.add_argument("--merge", action="store_true", help="also merge the result into the archived cell "
                      "(only a run at the cell's own config; refused otherwise)")
     arc.add_argument("--curve", default=None, help="curve file name (default <cell>-<method>-cpu.jsonl)")
-    arc.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     arc.set_defaults(func=cmd_archive_run)
 
-    mrg = sub.add_parser("archive-merge", help="merge methods re-run in `hetfl reproduce` cells (e.g. after a "
-                         "change of their defaults) into the archived cells of the same uploads; the result each "
-                         "replaces is kept in the cell's `replaced` and reported beside it")
-    mrg.add_argument("paper", choices=["fedhydra", "fedmho"])
+    mrg = _archive_parser(sub, "archive-merge", "merge methods re-run in `hetfl reproduce` cells (e.g. after a "
+                          "change of their defaults) into the archived cells of the same uploads; the result each "
+                          "replaces is kept in the cell's `replaced` and reported beside it")
     mrg.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
     mrg.add_argument("--methods", required=True, help="comma-separated methods to merge (each at the cell's config)")
     mrg.add_argument("--folder", default="one-cache", help="archive subfolder of the cells (default one-cache; "
                      "'' for the archive itself)")
-    mrg.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     mrg.set_defaults(func=cmd_archive_merge)
 
-    rep = sub.add_parser("archive-replace", help="archive `hetfl reproduce` cells run again whole (every method, "
-                         "uploads trained again: after a change of defaults, on a machine that does not retrain the "
-                         "archived uploads) in place of the archived cells of their names; the earlier copies go to "
-                         "<paper>-runs/partial/KEPT_AS/ and the report sets the two side by side")
-    rep.add_argument("paper", choices=["fedhydra", "fedmho"])
+    rep = _archive_parser(sub, "archive-replace", "archive `hetfl reproduce` cells run again whole (every method, "
+                          "uploads trained again: after a change of defaults, on a machine that does not retrain the "
+                          "archived uploads) in place of the archived cells of their names; the earlier copies go to "
+                          "<paper>-runs/partial/KEPT_AS/ and the report sets the two side by side")
     rep.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
     rep.add_argument("--kept-as", required=True,
                      help="partial/ subfolder for the earlier copies, e.g. reduced-before-s68")
-    rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     rep.set_defaults(func=cmd_archive_replace)
 
-    chk = sub.add_parser("archive-check", help="whether clients retrained here (CPU, this torch, OMP_NUM_THREADS) "
-                         "would upload the named archived cells' models byte for byte, before a re-run spends "
-                         "hours on other uploads: exit 1 where a cell recorded another processor, torch or "
-                         "thread count")
-    chk.add_argument("paper", choices=["fedhydra", "fedmho"])
+    chk = _archive_parser(sub, "archive-check", "whether clients retrained here (CPU, this torch, OMP_NUM_THREADS) "
+                          "would upload the named archived cells' models byte for byte, before a re-run spends "
+                          "hours on other uploads: exit 1 where a cell recorded another processor, torch or "
+                          "thread count")
     chk.add_argument("cells", nargs="+", help="archived cell names, e.g. fedhydra-mnist-0.1-s0-reduced-t60-g30")
     chk.add_argument("--folder", default="one-cache", help="archive subfolder of the cells (default one-cache; "
                      "'' for the archive itself)")
-    chk.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
     chk.set_defaults(func=cmd_archive_check)
 
     st = sub.add_parser("status", help="where a run stands: steps logged, last and best accuracy, the step "
