@@ -241,8 +241,9 @@ def retrain_mismatch(archived_env: dict[str, Any], here: dict[str, Any]) -> str 
 def unrecorded(archived_env: dict[str, Any]) -> list[str]:
     """The :data:`RETRAIN_KEYS` an archived cell's ``environment`` does not record: where any is
     missing, :func:`retrain_mismatch` cannot tell before a re-run (measured: FedMHO's `reduced` cells
-    record no ``cpu``; retrained on an Intel Xeon VM and on an AVX-512 AMD EPYC they gave other uploads,
-    FedAvg 27.71 and 27.77 against 27.76, sixty-third and sixty-fourth sessions)."""
+    recorded no ``cpu`` before their whole re-run; retrained on an Intel Xeon VM and on an AVX-512 AMD
+    EPYC they gave other uploads, FedAvg 27.71 and 27.77 against 27.76, sixty-third and sixty-fourth
+    sessions)."""
     return [k for k in RETRAIN_KEYS if archived_env.get(k) is None]
 
 
