@@ -500,9 +500,15 @@ class Simulator:
                            if self.exp.partition is not None else {})},
             "engine": self.engine_info,
             "environment": run_environment(self.exp.device),
+            # uploads this run trained into its cache (train_uploads included): where every method then
+            # read them from the cache, its results alone would not tell that the run trained them
+            **({UPLOADS_TRAINED: self.trained_uploads} if self.trained_uploads else {}),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary
+
+
+UPLOADS_TRAINED = "uploads_trained"  # summary key: client uploads the run trained and put in its cache
 
 
 def run_environment(device: torch.device) -> dict[str, Any]:

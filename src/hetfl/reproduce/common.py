@@ -506,17 +506,11 @@ def partial_report(archive: Path, labels: dict[str, str]) -> str:
     return "\n".join(lines + _replaced_whole_lines(runs, labels))
 
 
-def _later_minus_earlier(kept: dict[str, Any], archived: dict[str, Any], method: str, key: str = "accuracy") -> float:
-    """``method``'s ``key`` in the later of a kept-apart summary and its archived cell minus the earlier:
-    the archived cell is the later where it replaced the kept one whole (:data:`REPLACED_WHOLE`)."""
-    a, b = archived["results"][method], kept["results"][method]
-    later, earlier = (a, b) if REPLACED_WHOLE in kept else (b, a)
-    return later.get(key, later["accuracy"]) - earlier.get(key, earlier["accuracy"])
-
-
-def _mean_of(results: list[dict[str, Any]], key: str) -> float:
-    """Mean ``key`` of method results (``accuracy`` where a result lacks it)."""
-    return statistics.fmean(r.get(key, r["accuracy"]) for r in results)
+def _later_minus_earlier(kept: dict[str, Any], archived: dict[str, Any], method: str) -> float:
+    """``method``'s final accuracy in the later of a kept-apart summary and its archived cell minus the
+    earlier's: the archived cell is the later where it replaced the kept one whole (:data:`REPLACED_WHOLE`)."""
+    delta = kept["results"][method]["accuracy"] - archived["results"][method]["accuracy"]
+    return -delta if REPLACED_WHOLE in kept else delta
 
 
 def _replaced_whole_lines(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
@@ -534,11 +528,11 @@ def _replaced_whole_lines(runs: list[tuple[str, dict[str, Any], dict[str, Any] |
         for m in methods:
             both = [(s, a) for s, a in group if m in s["results"] and m in a["results"]]
             before, after = [s["results"][m] for s, _ in both], [a["results"][m] for _, a in both]
+            best = (statistics.fmean(map(_best, before)), statistics.fmean(map(_best, after)))
+            final = (statistics.fmean(r["accuracy"] for r in before), statistics.fmean(r["accuracy"] for r in after))
             out.append(f"| `{folder}` | {labels.get(m, m)}{older_mark(m, before)} | {len(both)} | "
-                       f"{_mean_of(before, 'best_accuracy'):.2f} ({_mean_of(before, 'accuracy'):.2f}) | "
-                       f"{_mean_of(after, 'best_accuracy'):.2f} ({_mean_of(after, 'accuracy'):.2f}) | "
-                       f"{statistics.fmean(_later_minus_earlier(s, a, m, 'best_accuracy') for s, a in both):+.2f} | "
-                       f"{statistics.fmean(_later_minus_earlier(s, a, m) for s, a in both):+.2f} |")
+                       f"{best[0]:.2f} ({final[0]:.2f}) | {best[1]:.2f} ({final[1]:.2f}) | "
+                       f"{best[1] - best[0]:+.2f} | {final[1] - final[0]:+.2f} |")
     return out
 
 
@@ -826,13 +820,10 @@ def prior_results(out: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return prior
 
 
-UPLOADS_TRAINED = "uploads_trained"  # summary key: client uploads the cell's own processes trained (cached)
-
-
 def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """``summary`` (the methods just run) joined with ``prior``'s other methods, written to
-    ``summary.json``; the cell's minutes are the earlier run's plus this one's (``prior_minutes``),
-    metrics.jsonl covers every method."""
+    ``summary.json``; the cell's minutes are the earlier run's plus this one's (``prior_minutes``), and
+    so are the uploads its runs trained (``uploads_trained``); metrics.jsonl covers every method."""
     if not prior["results"]:
         return summary
     methods = {**prior["config"]["methods"], **summary["config"]["methods"]}
@@ -840,6 +831,8 @@ def merge_results(out: Path, prior: dict[str, Any], summary: dict[str, Any]) -> 
               "results": {**{m: r for m, r in prior["results"].items() if m not in summary["results"]},
                           **summary["results"]},
               "prior_minutes": prior.get("minutes", 0.0) + prior.get("prior_minutes", 0.0)}
+    from hetfl.engine.simulator import UPLOADS_TRAINED  # the caller ran the simulator: torch is loaded
+
     if trained := prior.get(UPLOADS_TRAINED, 0) + summary.get(UPLOADS_TRAINED, 0):
         merged[UPLOADS_TRAINED] = trained
     (out / "config.json").write_text(json.dumps(merged["config"], indent=1))
@@ -873,11 +866,7 @@ def run_missing_methods(cfg: dict[str, Any], out: Path, cache: Path | None, data
     sim = Simulator(prepare({**cfg, "methods": todo}, data_root), out, cache, quiet=quiet, data_root=data_root)
     if warm:
         sim.train_uploads(warm)
-    summary = sim.run()
-    if sim.trained_uploads:  # its methods may all read them from the cache, yet this cell trained them
-        summary[UPLOADS_TRAINED] = sim.trained_uploads
-        write_json_atomic(out / "summary.json", summary)  # the simulator wrote it without
-    return merge_results(out, prior, summary)
+    return merge_results(out, prior, sim.run())
 
 
 def train_upload_shard(cfg: dict[str, Any], out: Path, cache: Path, data_root: str | None, quiet: bool,

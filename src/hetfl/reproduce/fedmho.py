@@ -30,6 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hetfl.engine.simulator import UPLOADS_TRAINED
 from hetfl.reproduce import common
 from hetfl.reproduce.common import budget_cells, csv, failure_note, minutes_per_machine, run_cell, stats
 
@@ -235,7 +236,7 @@ def _all_cached(cell: dict[str, Any]) -> bool:
     trained them (`--jobs`: the cell's clients' job trains them into the cache, then its methods read
     them there): its minutes are server stages."""
     clients = cell["config"]["clients"]
-    return (not cell.get(common.UPLOADS_TRAINED)
+    return (not cell.get(UPLOADS_TRAINED)
             and all(r.get("cached_uploads") == clients for r in cell["results"].values()))
 
 
