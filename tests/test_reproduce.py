@@ -1488,6 +1488,33 @@ def test_replace_cell_keeps_the_earlier_copy_apart_and_the_report_sets_them_side
     assert "| `before` | fedavg | 2 | 50.00 (50.00) | 51.00 (51.00) | +1.00 | +1.00 |" in whole
 
 
+def test_replace_cell_in_a_subfolder_keeps_the_earlier_copy_in_the_archive_and_pairs_it_there(tmp_path):
+    from hetfl.reproduce.common import PARTIAL, REPLACED_WHOLE, partial_report, partial_runs, replace_cell
+
+    archive, runs = tmp_path / "archive", tmp_path / "runs"
+    (archive / "one-cache").mkdir(parents=True)
+    config = {"name": "c-m10-s0", "dataset": "mnist", "seed": 0, "clients": 10, "partition": {"alpha": 0.5}}
+    earlier = {"config": config, "results": {"fedavg": {"accuracy": 50.0}, "dense": {"accuracy": 40.0}}}
+    (archive / "one-cache" / "c-m10-s0.json").write_text(json.dumps(earlier))
+    (archive / "c-m10-s0.json").write_text(json.dumps({**earlier, "results": {"fedavg": {"accuracy": 1.0}}}))
+    (runs / "c-m10-s0").mkdir(parents=True)
+    later = {"fedavg": {"accuracy": 52.0}, "dense": {"accuracy": 45.0, "best_accuracy": 46.0}}
+    (runs / "c-m10-s0" / "summary.json").write_text(json.dumps({"config": config, "results": later}))
+
+    with pytest.raises(ValueError, match="no archived cell named c-m10-s0"):
+        replace_cell(runs / "c-m10-s0", archive, "before", folder="elsewhere")
+    target, kept = replace_cell(runs / "c-m10-s0", archive, "before", folder="one-cache")
+    assert target == archive / "one-cache" / "c-m10-s0.json" and kept == archive / PARTIAL / "before" / "c-m10-s0.json"
+    assert json.loads(target.read_text())["results"] == later
+    assert json.loads((archive / "c-m10-s0.json").read_text())["results"] == {"fedavg": {"accuracy": 1.0}}  # untouched
+    assert json.loads(kept.read_text())[REPLACED_WHOLE]["folder"] == "one-cache"
+    [(folder, summary, archived)] = partial_runs(archive)
+    assert folder == "before" and summary["results"] == earlier["results"] and archived["results"] == later
+    whole = partial_report(archive, {})
+    whole = whole[whole.index("Cells that a later run of the whole cell replaced"):]
+    assert "| `before` | dense † | 1 | 40.00 (40.00) | 46.00 (45.00) | +6.00 | +5.00 |" in whole  # no params: older
+
+
 def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
     from hetfl.reproduce.fedhydra import curve_run_rows, curve_runs_report
 
@@ -1992,6 +2019,14 @@ def test_archive_replace_command_swaps_whole_cells_and_names_refusals(tmp_path, 
     assert "the earlier copy kept as" in capsys.readouterr().out
     assert json.loads((archive / f"{cfg['name']}.json").read_text())["results"]["fedavg"]["accuracy"] == 41.0
     assert json.loads((archive / "partial" / "before" / f"{cfg['name']}.json").read_text())["results"] == results
+    # fedhydra's sweep cells are in one-cache/: --folder names it; the earlier copy goes to the archive's partial/
+    hydra = tmp_path / "fedhydra-runs" / "one-cache"
+    hydra.mkdir(parents=True)
+    (hydra / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": results}))
+    assert main(["archive-replace", "fedhydra", str(run), "--kept-as", "before", "--folder", "one-cache",
+                 "--results", str(tmp_path / "fedhydra.md")]) == 0
+    assert json.loads((hydra / f"{cfg['name']}.json").read_text())["results"]["fedavg"]["accuracy"] == 41.0
+    assert (tmp_path / "fedhydra-runs" / "partial" / "before" / f"{cfg['name']}.json").is_file()
 
 
 def test_retrain_mismatch_names_the_recorded_differences_and_ignores_unrecorded_ones():

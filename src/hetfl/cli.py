@@ -273,7 +273,7 @@ def cmd_archive_replace(args: argparse.Namespace) -> int:
     if args.paper == "fedhydra":  # FedMHO's cells keep Fig. 6's curve in the summary
         from hetfl.reproduce.fedhydra import CURVE_METHODS as curves
     for run in args.cells:
-        target, kept = replace_cell(Path(run), archive_folder(results), args.kept_as, curves)
+        target, kept = replace_cell(Path(run), archive_folder(results), args.kept_as, curves, args.folder)
         print(f"archived {run} as {target}; the earlier copy kept as {kept}")
     print(f"rewrite the report with `hetfl reproduce {args.paper} --report-only --out <empty folder> "
           f"--results {results}`")
@@ -470,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
     rep.add_argument("--kept-as", required=True,
                      help="partial/ subfolder for the earlier copies, e.g. reduced-before-s68")
+    rep.add_argument("--folder", default="", help="archive subfolder of the cells (default '': the archive "
+                     "itself, as FedMHO's; fedhydra's one-cache cells: one-cache)")
     rep.set_defaults(func=cmd_archive_replace)
 
     chk = _archive_parser(sub, "archive-check", "whether clients retrained here (CPU, this torch, OMP_NUM_THREADS) "

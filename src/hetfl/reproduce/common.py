@@ -372,21 +372,25 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
 REPLACED_WHOLE = "replaced_whole"  # key of a cell kept apart under partial/ after a whole re-run replaced it
 
 
-def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[str, ...] = ()) -> tuple[Path, Path]:
+def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[str, ...] = (),
+                 folder: str = "") -> tuple[Path, Path]:
     """Archive the finished cell ``run`` (a `hetfl reproduce` cell folder: summary.json, metrics.jsonl)
-    in place of the archived cell of its name, a whole re-run of it (every method, on uploads trained
+    in place of the archived cell of its name in ``archive/<folder>`` (``folder`` "": the archive itself;
+    FedHydra's one-cache cells: ``one-cache``), a whole re-run of it (every method, on uploads trained
     again, e.g. on another machine after a change of defaults), and keep the earlier copy apart as
-    ``archive/partial/<kept_as>/<name>.json`` with ``replaced_whole`` (the run's environment and when it
-    replaced it), so "Re-runs kept apart" reads the two side by side. ValueError, naming the problem,
-    where the run has not finished, no archived cell has its name, its setting differs
-    (:data:`UPLOAD_KEYS`), it lacks a method the archived cell has, or ``kept_as`` already holds the cell.
-    Returns (the archived cell, where the earlier copy went)."""
+    ``archive/partial/<kept_as>/<name>.json`` with ``replaced_whole`` (the run's environment, when it
+    replaced it and, where not "", the ``folder`` that holds the cell that replaced it), so "Re-runs
+    kept apart" reads the two side by side. ValueError, naming the problem, where the run has not
+    finished, no archived cell has its name, its setting differs (:data:`UPLOAD_KEYS`), it lacks a method
+    the archived cell has, or ``kept_as`` already holds the cell. Returns (the archived cell, where the
+    earlier copy went)."""
     summary_file = run / "summary.json"
     if not summary_file.is_file():
         raise ValueError(f"{summary_file}: missing (the cell has not finished)")
     summary = json.loads(summary_file.read_text())
     name = summary["config"]["name"]
-    target = archive / f"{name}.json"
+    cells = archive / folder if folder else archive
+    target = cells / f"{name}.json"
     if not target.is_file():
         raise ValueError(f"{target}: no archived cell named {name} to replace")
     if run.name != name:
@@ -403,10 +407,11 @@ def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[st
     if kept.exists():
         raise ValueError(f"{kept}: already kept; choose another name for the earlier copies")
     kept.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"environment": summary.get("environment", {}), "on": time.strftime("%Y-%m-%d")}
+    stamp = {"environment": summary.get("environment", {}), "on": time.strftime("%Y-%m-%d"),
+             **({"folder": folder} if folder else {})}
     write_json_atomic(kept, {**earlier, REPLACED_WHOLE: stamp})
     target.unlink()
-    saved = archive_cell(run.parent, name, archive, curve_methods)
+    saved = archive_cell(run.parent, name, cells, curve_methods)
     if saved != target:  # archive_cell keeps a summary apart only beside an archived copy, gone now
         raise RuntimeError(f"{name}: archived as {saved}, not {target}")
     return target, kept
@@ -414,11 +419,14 @@ def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[st
 
 def partial_runs(archive: Path) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     """``(runs folder, summary, archived cell or None)`` for every summary kept apart under
-    ``archive/partial/<runs folder>/`` (:func:`archive_cell`), sorted by folder and cell name."""
+    ``archive/partial/<runs folder>/`` (:func:`archive_cell`, :func:`replace_cell`), sorted by folder and
+    cell name. The archived cell is ``archive/<name>.json``, or ``archive/<folder>/<name>.json`` where a
+    whole re-run replaced a cell of a subfolder (its ``replaced_whole`` names the folder)."""
     out = []
     for p in sorted((archive / PARTIAL).glob("*/*.json")):
-        main = archive / p.name
-        out.append((p.parent.name, json.loads(p.read_text()), json.loads(main.read_text()) if main.is_file() else None))
+        summary = json.loads(p.read_text())
+        main = archive / summary.get(REPLACED_WHOLE, {}).get("folder", "") / p.name
+        out.append((p.parent.name, summary, json.loads(main.read_text()) if main.is_file() else None))
     return out
 
 
