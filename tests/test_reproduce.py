@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -1301,6 +1302,16 @@ def test_client_sweep_section_rows_per_k_with_k5_from_the_same_seeds_and_a_figur
     png = paper.client_sweep_figure_path(out, "mnist", "0.5", "reduced")
     assert png.stat().st_size > 0 and f"]({png.name})" in out.read_text()
     assert paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", tmp_path / "other.md", "reduced")) == ""
+    # a later one-cache grid that ran the Table 1 cell of seed 0 gives K = 5 (the other cells stay)
+    grid = tmp_path / "fedhydra-runs" / f"{paper.LATER_GRID}amd"
+    grid.mkdir()
+    cfg = paper.cell_config("mnist", "0.5", 0, "reduced")
+    later = {m: {"accuracy": 89.0, "best_accuracy": 90.0, "params": {"pool_shuffle": True}} for m in methods}
+    (grid / f"{cfg['name']}.json").write_text(json.dumps({"config": cfg, "results": later, "minutes": 1.0}))
+    regrid = paper.client_sweep_report(paper.sweep_cells(tmp_path / "runs", out, "reduced")).splitlines()
+    assert next(x for x in regrid if x.startswith("| 5 |")).startswith("| 5 | 90.00 (89.00) n=1 |")
+    assert [x for x in regrid if x.startswith("| 10 |")] == [rows[1]]
+    shutil.rmtree(grid)
     # a sweep run with the default results file is archived beside it, not in one-cache: still reported
     for f in folder.glob("*.json"):
         f.rename(folder.parent / f.name)

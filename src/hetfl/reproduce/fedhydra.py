@@ -422,7 +422,8 @@ SWEEP_INTRO = """The paper sweeps the client count K on SVHN (Table 4) and CIFAR
 offline machine does not have; we run the same sweep (`--clients`) on MNIST / Fashion-MNIST, so only the
 trends compare: the paper's tables follow ours. Each K is its own partition of the same dataset (Dirichlet
 with min_size 10, the same seed) and its own upload cache, shared by every method at that K; K = 5 is the
-Table 1 cell of the same seed. Ours = best-over-epochs % (final %)."""
+Table 1 cell of the same seed, from the latest one-cache grid that ran it (the cells retrained in one go
+at the defaults of their time: grid `amd` at `reduced`). Ours = best-over-epochs % (final %)."""
 
 
 def _sweep_groups(cells: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, list[dict[str, Any]]]]:
@@ -449,11 +450,14 @@ def _sweep_methods(per_k: dict[int, list[dict[str, Any]]]) -> tuple[str, ...]:
 
 
 def sweep_cells(root: Path, path: Path, budget: str) -> list[dict[str, Any]]:
-    """The cells of ``budget`` a client-count sweep reads: the archived one-cache cells beside the
-    results file ``path``, then the runs in ``root`` and the main archive (a cell in both: one-cache wins)."""
+    """The cells of ``budget`` a client-count sweep reads: the runs in ``root`` and the main archive,
+    then the archived one-cache cells beside the results file ``path``, then those of the later grids
+    (:func:`one_cache_grids`); a cell in several: the last of these wins, so K = 5 (a Table 1 cell) comes
+    from the latest grid that ran it."""
     archive = common.archive_folder(path)
     cells = {s["config"]["name"]: s for s in _cells(root, budget, archive)}
-    cells.update({s["config"]["name"]: s for s in _one_cache_cells(archive / ONE_CACHE, budget)})
+    for _, folder in [("", archive / ONE_CACHE), *one_cache_grids(archive)[1:]]:
+        cells.update({s["config"]["name"]: s for s in _one_cache_cells(folder, budget)})
     return list(cells.values())
 
 
