@@ -456,7 +456,7 @@ def sweep_cells(root: Path, path: Path, budget: str) -> list[dict[str, Any]]:
     from the latest grid that ran it."""
     archive = common.archive_folder(path)
     cells = {s["config"]["name"]: s for s in _cells(root, budget, archive)}
-    for _, folder in [("", archive / ONE_CACHE), *one_cache_grids(archive)[1:]]:
+    for _, folder in one_cache_grids(archive):  # the first grid, then the later ones
         cells.update({s["config"]["name"]: s for s in _one_cache_cells(folder, budget)})
     return list(cells.values())
 
