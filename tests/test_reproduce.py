@@ -1,6 +1,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -2083,3 +2085,10 @@ def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_
     assert "amd: other uploads here (cpu 'some other CPU' here " in capsys.readouterr().out
     assert main(["archive-check", "fedhydra", "none", *results]) == 2
     assert "no archived cell named none" in capsys.readouterr().err
+
+
+def test_the_paper_modules_import_without_torch():
+    """The CLI imports both to build its help; torch, the methods and the simulator load only when a run needs them."""
+    code = ("import sys, hetfl.reproduce.fedhydra, hetfl.reproduce.fedmho, hetfl.reproduce.common; "
+            "sys.exit(int('torch' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -30,7 +30,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hetfl.engine.simulator import UPLOADS_TRAINED
 from hetfl.reproduce import common
 from hetfl.reproduce.common import budget_cells, csv, failure_note, minutes_per_machine, run_cell, stats
 
@@ -235,6 +234,8 @@ def _all_cached(cell: dict[str, Any]) -> bool:
     """Every method of the cell got every upload from the cache, and none of the cell's own processes
     trained them (`--jobs`: the cell's clients' job trains them into the cache, then its methods read
     them there): its minutes are server stages."""
+    from hetfl.engine.simulator import UPLOADS_TRAINED  # lazily: this module stays torch-free (cli's help)
+
     clients = cell["config"]["clients"]
     return (not cell.get(UPLOADS_TRAINED)
             and all(r.get("cached_uploads") == clients for r in cell["results"].values()))
