@@ -389,7 +389,7 @@ def replace_cell(run: Path, archive: Path, kept_as: str, curve_methods: tuple[st
         raise ValueError(f"{summary_file}: missing (the cell has not finished)")
     summary = json.loads(summary_file.read_text())
     name = summary["config"]["name"]
-    cells = archive / folder if folder else archive
+    cells = archive / folder  # folder "": the archive itself (Path / "" is the same path)
     target = cells / f"{name}.json"
     if not target.is_file():
         raise ValueError(f"{target}: no archived cell named {name} to replace")
