@@ -17,8 +17,9 @@
 # processor still runs, and only the merge can tell (FedMHO's `reduced` cells as first archived: other
 # uploads on an Intel Xeon and on an AVX-512 AMD EPYC, refused after 6 and 3 min, so they were re-run
 # whole; archive-check says so; and a FedMHO VGG-9 cell with bf16 clients passed archive-check but
-# retrained to other uploads all the same, refused after 44 min). `hetfl archive-merge` then refuses a cell whose uploads differ
-# (digests, else FedAvg and the ensemble to the last digit), and the loop goes on with the next cell.
+# retrained to other uploads all the same, refused after 44 min). `hetfl archive-merge` then refuses
+# a cell whose uploads differ (digests, else FedAvg and the ensemble to the last digit), and the loop
+# goes on with the next cell.
 # Two of these side by side on 2 cores: OMP_WAIT_POLICY=PASSIVE (set here) keeps the waiting OpenMP
 # threads of one from spinning on the cores the other needs (without it, measured: one of the two
 # ran 6x slower). A cell whose folder exists in OUT is skipped (another loop started it) unless
