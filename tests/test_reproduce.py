@@ -1043,6 +1043,44 @@ def test_fedmho_standing_table_means_the_seeds_ranks_md_sd_against_the_best_base
     assert text.index("## Where the reproduction stands") < text.index("## Budget `reduced`")
 
 
+def test_fedmho_filter_sweep_pairs_ablation_cells_with_table4_on_the_same_uploads(tmp_path):
+    from hetfl.reproduce import fedmho as mho
+
+    runs = tmp_path / "runs"
+
+    def cell(variant: str, seed: int, accs: dict[str, float], digest: str) -> None:
+        cfg = mho.cell_config("mnist", "0.1", seed, "reduced", variant=variant)
+        results = {m: {"accuracy": a, "best_accuracy": a, "uploads_sha256": digest} for m, a in accs.items()}
+        (runs / cfg["name"]).mkdir(parents=True)
+        (runs / cfg["name"] / "summary.json").write_text(json.dumps({"config": cfg, "results": results}))
+
+    cell("main", 0, {"fedavg": 40.0, "fedmho": 80.0, "fedmho_md": 70.0, "fedmho_sd": 72.0}, "up0")
+    cell("main", 1, {"fedavg": 41.0, "fedmho": 84.0, "fedmho_md": 74.0, "fedmho_sd": 76.0}, "up1")
+    cell("rth0.4", 0, {"fedmho": 77.0, "fedmho_md": 69.0, "fedmho_sd": 71.0}, "up0")
+    cell("rth0.4", 1, {"fedmho": 83.0, "fedmho_md": 73.0, "fedmho_sd": 75.0}, "up1")
+    cell("nofilter", 0, {"fedmho_md": 72.0, "fedmho_sd": 75.0}, "up0")
+    cell("rth0.9", 1, {"fedmho": 99.0, "fedmho_md": 99.0, "fedmho_sd": 99.0}, "other")  # other uploads: left out
+    pairs = mho.filter_pairs(mho._cells(runs, "reduced"))
+    assert set(pairs) == {("mnist", "0.1", m) for m in mho.CURVE_METHODS}
+    assert pairs[("mnist", "0.1", "fedmho")] == {"rth0.4": [(77.0, -3.0), (83.0, -1.0)],
+                                               "main": [(80.0, 0.0), (84.0, 0.0)]}
+    assert pairs[("mnist", "0.1", "fedmho_sd")]["nofilter"] == [(75.0, 3.0)]
+    assert sorted(pairs[("mnist", "0.1", "fedmho_sd")]["main"]) == [(72.0, 0.0), (76.0, 0.0)]
+    assert "rth0.9" not in pairs[("mnist", "0.1", "fedmho_md")]
+    out = tmp_path / "fedmho.md"
+    text = mho.filter_report(runs, out)
+    rows = {x.split(" | ")[2]: x for x in text.splitlines() if x.startswith("| MNIST | Dir(0.1)")}
+    assert rows["FedMHO"] == ("| MNIST | Dir(0.1) | FedMHO | 80.00 (-2.00) n=2 | - | 82.00 n=2 | - | - | "
+                              "R_th 0.8 (Table 4) |")
+    assert rows["FedMHO-SD"] == ("| MNIST | Dir(0.1) | FedMHO-SD | 73.00 (-1.00) n=2 | - | 74.00 n=2 | - | "
+                                 "75.00 (+3.00) | no filter (4,800) |")
+    assert "R_th 0.8 (Table 4) in 1 of 3, no filter (4,800) in 2 of 3" in text
+    assert mho._mean_differences(pairs, "mnist", "fedmho_md") == [(0.4, -1.0), (0.8, 0.0), (1.0, 2.0)]
+    figure = tmp_path / "fedmho-filter-reduced.png"
+    assert figure.stat().st_size > 0 and f"]({figure.name})" in text
+    assert mho.filter_report(tmp_path / "none", out) == ""  # no ablation cells: no section
+
+
 def test_fedmho_kd_cost_points_fit_and_figure(tmp_path):
     from hetfl.reproduce import fedmho as mho
 

@@ -101,9 +101,10 @@ def read_curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-def plot_accuracy_lines(curves: dict[str, list[tuple[int, float]]], path: Path, xlabel: str = "round / epoch",
-                        title: str = "") -> bool:
-    """Test accuracy against round/epoch, one line per label with more than one point."""
+def plot_accuracy_lines(curves: dict[str, list[tuple[float, float]]], path: Path, xlabel: str = "round / epoch",
+                        title: str = "", ylabel: str = "test accuracy (%)") -> bool:
+    """Test accuracy (or ``ylabel``) against round/epoch (or ``xlabel``), one line per label with more
+    than one point."""
     curves = {k: v for k, v in curves.items() if len(v) > 1}
     if not curves:
         return False
@@ -112,7 +113,7 @@ def plot_accuracy_lines(curves: dict[str, list[tuple[int, float]]], path: Path, 
         steps, accs = zip(*points)
         ax.plot(steps, accs, label=name, marker="." if len(points) < 40 else None)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

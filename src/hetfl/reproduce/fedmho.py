@@ -571,6 +571,103 @@ def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+# Tables 6 and 8 as one sweep of the filter, each ablation cell against the Table 4 cell of its seed
+FILTER_POINTS = {"rth0.4": 0.4, "rth0.6": 0.6, "main": 0.8, "rth0.9": 0.9, "nofilter": 1.0}
+FILTER_HEADS = {"rth0.4": "R_th 0.4", "rth0.6": "R_th 0.6", "main": "R_th 0.8 (Table 4)", "rth0.9": "R_th 0.9",
+                "nofilter": "no filter (4,800)"}
+FILTER_INTRO = """Tables 6 and 8 read against Table 4 on the same client uploads: each ablation cell (R_th = 0.4, 0.6
+and 0.9 of 6,000 decoded samples kept; or no filter, 4,800 samples unfiltered: as many as R_th = 0.8
+keeps) beside the Table 4 cell of its seed (R_th = 0.8), counted only where both ran on byte-identical
+uploads (equal `uploads_sha256`), so the differences are the filter's alone. Each entry: mean final %
+(mean difference from R_th = 0.8 on the same seeds); "best" is the setting with the largest mean
+difference (0.8 itself counts 0). The paper's Table 8 (EMNIST only) finds 0.8 best."""
+
+
+def filter_pairs(cells: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, list[tuple[float, float]]]]:
+    """Per (dataset, setting, method of :data:`CURVE_METHODS`): per filter variant (:data:`FILTER_POINTS`),
+    ``(final %, final % minus the Table 4 cell's)`` for each ablation cell run on the uploads of the
+    Table 4 cell of its seed (:func:`common.same_uploads`), and under ``main`` that Table 4 cell once
+    per seed paired (difference 0). Cells on other uploads are left out."""
+    main = {(s["config"]["dataset"], _alpha(s["config"]), s["config"]["seed"]): s
+            for s in cells if _variant(s["config"]) == "main"}
+    pairs: dict[tuple[str, str, str], dict[str, list[tuple[float, float]]]] = {}
+    paired: set[tuple[str, str, int, str]] = set()
+    for s in cells:
+        cfg, variant = s["config"], _variant(s["config"])
+        base = main.get((cfg["dataset"], _alpha(cfg), cfg["seed"]))
+        if variant == "main" or variant not in FILTER_POINTS or base is None or not common.same_uploads(base, s):
+            continue
+        for method in (m for m in CURVE_METHODS if m in s["results"] and m in base["results"]):
+            acc, ref = s["results"][method]["accuracy"], base["results"][method]["accuracy"]
+            row = pairs.setdefault((cfg["dataset"], _alpha(cfg), method), {})
+            row.setdefault(variant, []).append((acc, acc - ref))
+            if (cfg["dataset"], _alpha(cfg), cfg["seed"], method) not in paired:
+                paired.add((cfg["dataset"], _alpha(cfg), cfg["seed"], method))
+                row.setdefault("main", []).append((ref, 0.0))
+    return pairs
+
+
+def filter_report(root: Path, path: Path, archive: Path | None = None) -> str:
+    """Markdown, per budget with paired ablation cells (:func:`filter_pairs`): final % per filter setting
+    beside R_th = 0.8, which setting is best per row (the largest mean paired difference), and the
+    mean difference per setting drawn against R_th as ``<stem>-filter-<budget>.png`` beside ``path``."""
+    from hetfl.report import plot_accuracy_lines
+
+    lines: list[str] = []
+    for budget in BUDGETS:
+        pairs = filter_pairs(_cells(root, budget, archive))
+        if not pairs:
+            continue
+        lines += [f"### The K-means filter on the Table 4 uploads (Tables 6 and 8 paired, budget `{budget}`)", "",
+                  FILTER_INTRO, "",
+                  "| dataset | setting | method | " + " | ".join(FILTER_HEADS.values()) + " | best |",
+                  "|---|---|---|" + "---|" * (len(FILTER_HEADS) + 1)]
+        best_counts = {v: 0 for v in FILTER_POINTS}
+        for dataset in DATASETS:
+            for setting in SETTINGS:
+                for method in CURVE_METHODS:
+                    row = pairs.get((dataset, setting, method))
+                    if not row:
+                        continue
+                    # paired: the mean difference from R_th = 0.8 on the seeds each setting shares with it
+                    diffs = {v: statistics.fmean(d for _, d in row[v]) for v in FILTER_POINTS if v in row}
+                    best = max(sorted(diffs, key=lambda v: v != "main"), key=diffs.__getitem__)  # a tie: 0.8
+                    best_counts[best] += 1
+                    cells = [_filter_entry(row.get(v), v == "main") for v in FILTER_POINTS]
+                    lines.append(f"| {dataset.upper()} | Dir({setting}) | {LABELS[method]} | " + " | ".join(cells)
+                                 + f" | {FILTER_HEADS[best]} |")
+        rows = sum(best_counts.values())
+        lines += ["", "Best setting per row: " + ", ".join(f"{FILTER_HEADS[v]} in {n} of {rows}"
+                                                          for v, n in best_counts.items() if n) + "."]
+        curves = {f"{dataset.upper()} {LABELS[method]}": _mean_differences(pairs, dataset, method)
+                  for dataset in DATASETS for method in CURVE_METHODS}
+        figure = path.with_name(f"{path.stem}-filter-{budget}.png")
+        if plot_accuracy_lines(curves, figure, "R_th (1.0 = no filter, 4,800 samples)",
+                               f"filter against R_th = 0.8, budget {budget}: mean over settings and seeds",
+                               ylabel="final % minus R_th = 0.8 (same uploads)"):
+            lines += ["", f"![filter sweep, {budget}]({figure.name})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _filter_entry(points: list[tuple[float, float]] | None, reference: bool) -> str:
+    if not points:
+        return "-"
+    mean = statistics.fmean(a for a, _ in points)
+    n = f" n={len(points)}" if len(points) > 1 else ""
+    if reference:
+        return f"{mean:.2f}{n}"
+    return f"{mean:.2f} ({statistics.fmean(d for _, d in points):+.2f}){n}"
+
+
+def _mean_differences(pairs: dict[tuple[str, str, str], dict[str, list[tuple[float, float]]]], dataset: str,
+                      method: str) -> list[tuple[float, float]]:
+    """(R_th, mean difference from R_th = 0.8 over the dataset's settings and seeds), per filter setting run."""
+    rows = [row for (d, _, m), row in pairs.items() if d == dataset and m == method]
+    return [(x, statistics.fmean(diff for row in rows for _, diff in row.get(v, [])))
+            for v, x in sorted(FILTER_POINTS.items(), key=lambda kv: kv[1]) if any(v in row for row in rows)]
+
+
 def report(root: Path, budget: str, stem: str = "fedmho", archive: Path | None = None) -> str:
     """Markdown tables of one budget from the cells in ``root`` and the ``archive`` folder; ``stem``
     names the Fig. 6 pictures (``<stem>-fig6-<cell>.png``)."""
@@ -969,6 +1066,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
         if trials := trials_report(archive):
             standing += "\n" + trials
     bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
+              filter_report(root, path, archive),
               common.partial_report(archive, LABELS), common.replaced_report(archive, LABELS, BUDGETS)]
     common.write_results(path, HEADER, bodies, notes)
     plot_curves(root, path)
