@@ -1075,6 +1075,7 @@ def test_fedmho_filter_sweep_pairs_ablation_cells_with_table4_on_the_same_upload
     assert rows["FedMHO-SD"] == ("| MNIST | Dir(0.1) | FedMHO-SD | 73.00 (-1.00) n=2 | - | 74.00 n=2 | - | "
                                  "75.00 (+3.00) | no filter (4,800) |")
     assert "R_th 0.8 (Table 4) in 1 of 3, no filter (4,800) in 2 of 3" in text
+    assert "MD and SD lose 0.56-5.91 points" in text  # Table 4 minus Table 6 of the paper
     assert mho._mean_differences(pairs, "mnist", "fedmho_md") == [(0.4, -1.0), (0.8, 0.0), (1.0, 2.0)]
     figure = tmp_path / "fedmho-filter-reduced.png"
     assert figure.stat().st_size > 0 and f"]({figure.name})" in text
