@@ -422,8 +422,9 @@ SWEEP_INTRO = """The paper sweeps the client count K on SVHN (Table 4) and CIFAR
 offline machine does not have; we run the same sweep (`--clients`) on MNIST / Fashion-MNIST, so only the
 trends compare: the paper's tables follow ours. Each K is its own partition of the same dataset (Dirichlet
 with min_size 10, the same seed) and its own upload cache, shared by every method at that K; K = 5 is the
-Table 1 cell of the same seed, from the latest one-cache grid that ran it (the cells retrained in one go
-at the defaults of their time: grid `amd` at `reduced`). Ours = best-over-epochs % (final %)."""
+Table 1 cell of the same seed, from the latest one-cache grid of the budget that ran it (the cells
+retrained in one go at the defaults of their time: at `reduced`, grid `amd`). Ours = best-over-epochs %
+(final %)."""
 
 
 def _sweep_groups(cells: list[dict[str, Any]]) -> dict[tuple[str, str], dict[int, list[dict[str, Any]]]]:
