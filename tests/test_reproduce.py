@@ -1068,7 +1068,7 @@ def test_fedmho_filter_sweep_pairs_ablation_cells_with_table4_on_the_same_upload
     assert sorted(pairs[("mnist", "0.1", "fedmho_sd")]["main"]) == [(72.0, 0.0), (76.0, 0.0)]
     assert "rth0.9" not in pairs[("mnist", "0.1", "fedmho_md")]
     out = tmp_path / "fedmho.md"
-    text = mho.filter_report(runs, out)
+    text = mho.filter_report(runs, out, "reduced")
     rows = {x.split(" | ")[2]: x for x in text.splitlines() if x.startswith("| MNIST | Dir(0.1)")}
     assert rows["FedMHO"] == ("| MNIST | Dir(0.1) | FedMHO | 80.00 (-2.00) n=2 | - | 82.00 n=2 | - | - | "
                               "R_th 0.8 (Table 4) |")
@@ -1079,7 +1079,11 @@ def test_fedmho_filter_sweep_pairs_ablation_cells_with_table4_on_the_same_upload
     assert mho._mean_differences(pairs, "mnist", "fedmho_md") == [(0.4, -1.0), (0.8, 0.0), (1.0, 2.0)]
     figure = tmp_path / "fedmho-filter-reduced.png"
     assert figure.stat().st_size > 0 and f"]({figure.name})" in text
-    assert mho.filter_report(tmp_path / "none", out) == ""  # no ablation cells: no section
+    assert mho.filter_report(runs, out, "vgg9-e10") == ""  # no ablation cells in that budget: no section
+    mho.write_results(runs, out)
+    text = out.read_text()
+    assert text.index("## Budget `reduced`") < text.index("### Table 8, MNIST: R_th = 0.4") < \
+        text.index("### The K-means filter")  # inside its budget's section, after that budget's tables
 
 
 def test_fedmho_kd_cost_points_fit_and_figure(tmp_path):

@@ -614,47 +614,45 @@ def filter_pairs(cells: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict
     return pairs
 
 
-def filter_report(root: Path, path: Path, archive: Path | None = None) -> str:
-    """Markdown, per budget with paired ablation cells (:func:`filter_pairs`): final % per filter setting
-    beside R_th = 0.8, which setting is best per row (the largest mean paired difference), and the
-    mean difference per setting drawn against R_th as ``<stem>-filter-<budget>.png`` beside ``path``."""
+def filter_report(root: Path, path: Path, budget: str, archive: Path | None = None) -> str:
+    """Markdown for one budget's paired ablation cells (:func:`filter_pairs`; "" without any): final %
+    per filter setting beside R_th = 0.8, which setting is best per row (the largest mean paired
+    difference), and the mean difference per setting drawn against R_th as ``<stem>-filter-<budget>.png``
+    beside ``path``."""
     from hetfl.report import plot_accuracy_lines
 
-    lines: list[str] = []
-    for budget in BUDGETS:
-        pairs = filter_pairs(_cells(root, budget, archive))
-        if not pairs:
-            continue
-        lines += [f"### The K-means filter on the Table 4 uploads (Tables 6 and 8 paired, budget `{budget}`)", "",
-                  FILTER_INTRO.format(low=min(costs := _paper_filter_costs()), high=max(costs)), "",
-                  "| dataset | setting | method | " + " | ".join(FILTER_HEADS.values()) + " | best |",
-                  "|---|---|---|" + "---|" * (len(FILTER_HEADS) + 1)]
-        best_counts = {v: 0 for v in FILTER_POINTS}
-        for dataset in DATASETS:
-            for setting in SETTINGS:
-                for method in CURVE_METHODS:
-                    row = pairs.get((dataset, setting, method))
-                    if not row:
-                        continue
-                    # paired: the mean difference from R_th = 0.8 on the seeds each setting shares with it
-                    diffs = {v: statistics.fmean(d for _, d in row[v]) for v in FILTER_POINTS if v in row}
-                    best = max(sorted(diffs, key=lambda v: v != "main"), key=diffs.__getitem__)  # a tie: 0.8
-                    best_counts[best] += 1
-                    cells = [_filter_entry(row.get(v), v == "main") for v in FILTER_POINTS]
-                    lines.append(f"| {dataset.upper()} | Dir({setting}) | {LABELS[method]} | " + " | ".join(cells)
-                                 + f" | {FILTER_HEADS[best]} |")
-        rows = sum(best_counts.values())
-        lines += ["", "Best setting per row: " + ", ".join(f"{FILTER_HEADS[v]} in {n} of {rows}"
-                                                          for v, n in best_counts.items() if n) + "."]
-        curves = {f"{dataset.upper()} {LABELS[method]}": _mean_differences(pairs, dataset, method)
-                  for dataset in DATASETS for method in CURVE_METHODS}
-        figure = path.with_name(f"{path.stem}-filter-{budget}.png")
-        if plot_accuracy_lines(curves, figure, "R_th (1.0 = no filter, 4,800 samples)",
-                               f"filter against R_th = 0.8, budget {budget}: mean over settings and seeds",
-                               ylabel="final % minus R_th = 0.8 (same uploads)"):
-            lines += ["", f"![filter sweep, {budget}]({figure.name})"]
-        lines.append("")
-    return "\n".join(lines)
+    pairs = filter_pairs(_cells(root, budget, archive))
+    if not pairs:
+        return ""
+    lines = [f"### The K-means filter on the Table 4 uploads (Tables 6 and 8 paired, budget `{budget}`)", "",
+             FILTER_INTRO.format(low=min(costs := _paper_filter_costs()), high=max(costs)), "",
+             "| dataset | setting | method | " + " | ".join(FILTER_HEADS.values()) + " | best |",
+             "|---|---|---|" + "---|" * (len(FILTER_HEADS) + 1)]
+    best_counts = {v: 0 for v in FILTER_POINTS}
+    for dataset in DATASETS:
+        for setting in SETTINGS:
+            for method in CURVE_METHODS:
+                row = pairs.get((dataset, setting, method))
+                if not row:
+                    continue
+                # paired: the mean difference from R_th = 0.8 on the seeds each setting shares with it
+                diffs = {v: statistics.fmean(d for _, d in row[v]) for v in FILTER_POINTS if v in row}
+                best = max(sorted(diffs, key=lambda v: v != "main"), key=diffs.__getitem__)  # a tie: 0.8
+                best_counts[best] += 1
+                entries = [_filter_entry(row.get(v), v == "main") for v in FILTER_POINTS]
+                lines.append(f"| {dataset.upper()} | Dir({setting}) | {LABELS[method]} | " + " | ".join(entries)
+                             + f" | {FILTER_HEADS[best]} |")
+    rows = sum(best_counts.values())
+    lines += ["", "Best setting per row: " + ", ".join(f"{FILTER_HEADS[v]} in {n} of {rows}"
+                                                      for v, n in best_counts.items() if n) + "."]
+    curves = {f"{dataset.upper()} {LABELS[method]}": _mean_differences(pairs, dataset, method)
+              for dataset in DATASETS for method in CURVE_METHODS}
+    figure = path.with_name(f"{path.stem}-filter-{budget}.png")
+    if plot_accuracy_lines(curves, figure, "R_th (1.0 = no filter, 4,800 samples)",
+                           f"filter against R_th = 0.8, budget {budget}: mean over settings and seeds",
+                           ylabel="final % minus R_th = 0.8 (same uploads)"):
+        lines += ["", f"![filter sweep, {budget}]({figure.name})"]
+    return "\n".join(lines + [""])
 
 
 def _filter_entry(points: list[tuple[float, float]] | None, reference: bool) -> str:
@@ -1072,8 +1070,8 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
                      + "\n" + epochs_report(archive))
         if trials := trials_report(archive):
             standing += "\n" + trials
-    bodies = [standing, *(report(root, budget, path.stem, archive) for budget in BUDGETS),
-              filter_report(root, path, archive),
+    bodies = [standing, *(report(root, budget, path.stem, archive) + "\n" + filter_report(root, path, budget, archive)
+                          for budget in BUDGETS),
               common.partial_report(archive, LABELS), common.replaced_report(archive, LABELS, BUDGETS)]
     common.write_results(path, HEADER, bodies, notes)
     plot_curves(root, path)
