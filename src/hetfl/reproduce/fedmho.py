@@ -572,9 +572,11 @@ def kd_cost_report(root: Path, path: Path, archive: Path | None = None) -> str:
 
 
 # Tables 6 and 8 as one sweep of the filter, each ablation cell against the Table 4 cell of its seed
-FILTER_POINTS = {"rth0.4": 0.4, "rth0.6": 0.6, "main": 0.8, "rth0.9": 0.9, "nofilter": 1.0}
-FILTER_HEADS = {"rth0.4": "R_th 0.4", "rth0.6": "R_th 0.6", "main": "R_th 0.8 (Table 4)", "rth0.9": "R_th 0.9",
-                "nofilter": "no filter (4,800)"}
+# (variant -> R_th, ascending): Table 8's sweep, Table 4 at FedMHO's default 0.8, no filter drawn at 1.0
+FILTER_POINTS = dict(sorted({**{f"rth{r}": r for r in RTH_SWEEP}, "main": 0.8, "nofilter": 1.0}.items(),
+                            key=lambda kv: kv[1]))
+FILTER_HEADS = {**{v: f"R_th {x:g}" for v, x in FILTER_POINTS.items()},
+                "main": "R_th 0.8 (Table 4)", "nofilter": "no filter (4,800)"}
 FILTER_INTRO = """Tables 6 and 8 read against Table 4 on the same client uploads: each ablation cell (R_th = 0.4, 0.6
 and 0.9 of 6,000 decoded samples kept; or no filter, 4,800 samples unfiltered: as many as R_th = 0.8
 keeps) beside the Table 4 cell of its seed (R_th = 0.8), counted only where both ran on byte-identical
@@ -608,8 +610,8 @@ def filter_pairs(cells: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict
             acc, ref = s["results"][method]["accuracy"], base["results"][method]["accuracy"]
             row = pairs.setdefault((cfg["dataset"], _alpha(cfg), method), {})
             row.setdefault(variant, []).append((acc, acc - ref))
-            if (cfg["dataset"], _alpha(cfg), cfg["seed"], method) not in paired:
-                paired.add((cfg["dataset"], _alpha(cfg), cfg["seed"], method))
+            if (seen := (cfg["dataset"], _alpha(cfg), cfg["seed"], method)) not in paired:
+                paired.add(seen)
                 row.setdefault("main", []).append((ref, 0.0))
     return pairs
 
@@ -670,7 +672,7 @@ def _mean_differences(pairs: dict[tuple[str, str, str], dict[str, list[tuple[flo
     """(R_th, mean difference from R_th = 0.8 over the dataset's settings and seeds), per filter setting run."""
     rows = [row for (d, _, m), row in pairs.items() if d == dataset and m == method]
     return [(x, statistics.fmean(diff for row in rows for _, diff in row.get(v, [])))
-            for v, x in sorted(FILTER_POINTS.items(), key=lambda kv: kv[1]) if any(v in row for row in rows)]
+            for v, x in FILTER_POINTS.items() if any(v in row for row in rows)]
 
 
 def report(root: Path, budget: str, stem: str = "fedmho", archive: Path | None = None) -> str:
