@@ -755,3 +755,86 @@ def test_class_shares_and_per_class_kd_costs_come_from_the_cells_own_partition()
     assert paper.class_shares({**summary, "results": {"fedavg": {}}}) is None  # FedMHO did not run
     recorded = {**wrong, "clients": {"sizes": [1, 2, 3, 4], "class_counts": [[1, 0], [0, 2], [2, 1], [1, 3]]}}
     assert paper.class_shares(recorded) == pytest.approx([25.0, 100 / 3])  # the summary's own counts win
+
+
+# ---- what the K-means filter keeps and drops (hetfl.reproduce.filter_probe) -------------------------------
+def test_filter_probe_equals_a_slow_reference():
+    """Kept and dropped samples: counts, the reference's agreement and entropy, the distance to the
+    class mean and the share from other than the class's main decoder, against a per-sample loop."""
+    from hetfl.reproduce.filter_probe import probe, sources
+
+    alloc = torch.tensor([[3, 2, 0], [1, 4, 2]])  # decoder 0: 0,0,0,1,1; decoder 1: 0,1,1,1,1,2,2
+    assert sources(alloc).tolist() == [0] * 5 + [1] * 7
+    y = torch.tensor([0, 0, 0, 1, 1, 0, 1, 1, 1, 1, 2, 2])
+    g = torch.Generator().manual_seed(0)
+    x, logits = torch.rand(12, 1, 3, 3, generator=g), torch.randn(12, 3, generator=g)
+    got = probe(x, y, alloc, 0.5, logits, 3)
+    flat, src, main = x.flatten(1), [0] * 5 + [1] * 7, {0: 0, 1: 1, 2: 1}
+    dist = [float((flat[i] - flat[y == y[i]].mean(dim=0)).norm()) for i in range(12)]
+    kept = set()
+    for c in range(3):
+        idx = sorted((i for i in range(12) if y[i] == c), key=lambda i: dist[i])
+        kept |= set(idx[: keep_count(len(idx), 0.5)])
+    for name, members in (("all", range(12)), ("kept", sorted(kept)), ("dropped", sorted(set(range(12)) - kept))):
+        members = list(members)
+        p = [torch.softmax(logits[i], 0) for i in members]
+        assert got[name]["n"] == len(members)
+        assert got[name]["agreement"] == pytest.approx(
+            100 * sum(int(logits[i].argmax()) == int(y[i]) for i in members) / len(members), abs=1e-3)
+        assert got[name]["entropy"] == pytest.approx(
+            sum(float(-(q * q.log()).sum()) for q in p) / len(members), abs=1e-3)
+        assert got[name]["distance"] == pytest.approx(sum(dist[i] for i in members) / len(members), abs=1e-3)
+        assert got[name]["minority"] == pytest.approx(
+            100 * sum(src[i] != main[int(y[i])] for i in members) / len(members), abs=1e-3)
+    assert got["kept"]["n"] == 2 + 3 + 1 and got["kept"]["distance"] < got["dropped"]["distance"]
+    with pytest.raises(ValueError, match="do not describe 12 samples"):
+        probe(x, y, alloc[:, :2], 0.5, logits, 3)
+
+
+def test_real_spread_is_the_mean_distance_to_the_class_mean(synthetic_small):
+    from hetfl.reproduce.filter_probe import real_spread
+
+    data = synthetic_small.train
+    flat = data.x.flatten(1).float() / 255
+    slow = [float((flat[i] - flat[data.y == data.y[i]].mean(dim=0)).norm()) for i in range(len(data))]
+    assert real_spread(data, chunk=7) == pytest.approx(sum(slow) / len(slow), abs=1e-3)
+
+
+def test_filter_probe_reads_a_cells_uploads_from_the_cache_and_decodes_its_synthetic_set(tiny_config, tmp_path):
+    """cached_uploads trains nothing and names missing clients; the probe decodes the same set as the
+    run's server stage (same digest, as many samples generated and kept), and the report renders it."""
+    from hetfl.reproduce.filter_probe import probe_cell, probe_lines, reference_model, run_probes
+
+    tiny_config.update(clients=4, name="fedmho-synthetic-a0.5-s0-tiny")
+    tiny_config["client"]["epochs"] = 1
+    tiny_config["methods"] = {"fedmho_md": {"cvae_epochs": 1, "cvae_lr": 1e-3, "num_samples": 120, "epochs": 1}}
+    cfg = validate(tiny_config)
+    cache = tmp_path / "cache"
+    sim = Simulator(prepare(cfg), tmp_path / "probe", cache_dir=cache, quiet=True)
+    with pytest.raises(ValueError, match=r"clients \[0, 1, 2, 3\] have no upload in the cache"):
+        sim.cached_uploads("fedmho_md")
+    with pytest.raises(ValueError, match="no method 'dense'"):
+        sim.cached_uploads("dense")
+    summary = Simulator(prepare(cfg), tmp_path / "run", cache_dir=cache, quiet=True).run()
+    ran = summary["results"]["fedmho_md"]
+    method, uploads, _ = sim.cached_uploads("fedmho_md")
+    assert method.name == "fedmho_md" and sorted(uploads) == [0, 1, 2, 3] and sim.trained_uploads == 0
+    splits = prepare(cfg).splits
+    reference, accuracy = reference_model(splits, "cnn2", 1, 0, CPU)
+    assert 0 <= accuracy <= 100
+    got = probe_cell(cfg, cache, "fedmho_md", reference)
+    assert got["uploads_sha256"] == ran["uploads_sha256"] and got["setting"] == "0.5"
+    assert (got["all"]["n"], got["kept"]["n"]) == (ran["synthetic_generated"], ran["synthetic_used"])
+    assert got["kept"]["n"] + got["dropped"]["n"] == got["all"]["n"]
+    out = tmp_path / "filter-probe-tiny.json"
+    written = run_probes([summary, summary], out, cache, say=lambda _: None)
+    assert [p["cell"] for p in written["probes"]] == [cfg["name"]]  # probed twice: kept once
+    assert written["reference"]["synthetic"]["real_distance"] > 0
+    bad = {**summary, "results": {"fedmho_md": {**ran, "uploads_sha256": "0" * 64}}}
+    with pytest.raises(ValueError, match="not the ones fedmho_md ran on"):
+        run_probes([bad], out, cache, say=lambda _: None)
+    lines = probe_lines(out)
+    row = next(line for line in lines if line.startswith("| SYNTHETIC | Dir(0.5) | 1 |"))
+    assert f"{got['kept']['agreement']:.2f} / {got['dropped']['agreement']:.2f}" in row
+    assert "the 120 samples `fedmho_md` decodes" in "\n".join(lines)
+    assert probe_lines(tmp_path / "none.json") == []

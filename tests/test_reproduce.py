@@ -2135,3 +2135,13 @@ def test_the_paper_modules_import_without_torch():
     code = ("import sys, hetfl.reproduce.fedhydra, hetfl.reproduce.fedmho, hetfl.reproduce.common; "
             "sys.exit(int('torch' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_fedmho_filter_probe_without_a_matching_cell_says_so(tmp_path, capsys):
+    from hetfl.cli import main
+
+    assert main(["reproduce", "fedmho", "--filter-probe", "--out", str(tmp_path / "runs"), "--results",
+                 str(tmp_path / "fedmho.md"), "--settings", "0.3", "--seeds", "1"]) == 2
+    assert "no Table 4 cell of budget 'reduced' matches --datasets mnist,fmnist --settings 0.3 --seeds 1" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "fedmho-runs").exists()

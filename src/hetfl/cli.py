@@ -419,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fedhydra: which method Table 6 runs (fedhydra = the paper's loop, fedhydra_dense = "
                           "FedHydra in DENSE's loop, as the authors' code)")
     rep.add_argument("--curve", action="store_true", help="fedmho: also Fig. 6 (accuracy per server epoch)")
+    rep.add_argument("--filter-probe", action="store_true",
+                     help="fedmho: run no cell; instead measure what the K-means filter keeps and drops on the Table 4 "
+                          "cells of --budget (--datasets, --settings, --seeds) from their uploads in --cache-dir, "
+                          "judged by a cnn2 trained on the real data; writes <results>-runs/filter-probe-<budget>.json "
+                          "and the results file")
     rep.add_argument("--data-root", default=None)
     rep.add_argument("--device", default=None,
                      help="cpu, cuda, cuda:1 ... (default: auto = a GPU if torch sees one; uploads cached per device)")

@@ -435,6 +435,28 @@ class Simulator:
             counts[name] = len(uploads)
         return counts
 
+    def cached_uploads(self, name: str) -> tuple[OneShotMethod, dict[int, Payload], ServerContext]:
+        """The one-shot method ``name`` of the config, its clients' uploads read from the upload cache
+        (no client trains: a missing upload is an error that names the clients) and a server context
+        that writes nothing. For studies of a server stage on the uploads a cell ran on."""
+        if self.cache is None:
+            raise ValueError("cached_uploads reads the upload cache: give the simulator a cache_dir")
+        if name not in self.exp.cfg["methods"]:
+            raise ValueError(f"no method {name!r} in the config (it has {sorted(self.exp.cfg['methods'])})")
+        method = create_method(name, self.exp.cfg["methods"][name])
+        if not isinstance(method, OneShotMethod) or not method.needs_uploads:
+            raise ValueError(f"{name} takes no one-shot uploads")
+        ctx = self._context(name, CommLedger(), [], make_dir=False)
+        uploads: dict[int, Payload] = {}
+        for cid in range(ctx.num_clients):
+            upload = self.cache.get(self._key(cid, method.client_message(cid, ctx)))
+            if upload is not None:
+                uploads[cid] = upload
+        missing = sorted(set(range(ctx.num_clients)) - set(uploads))
+        if missing:
+            raise ValueError(f"{name}: clients {missing} have no upload in the cache {self.cache.root}")
+        return method, uploads, ctx
+
     def _check(self, name: str, method: Method) -> None:
         try:
             method.check(self._context(name, CommLedger(), []))

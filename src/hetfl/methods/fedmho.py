@@ -295,11 +295,18 @@ class FedMHO(GenerativeMethod):
         return super().client_message(client_id, ctx)  # the shared train_classifier request
 
     # ---- server side --------------------------------------------------------------------------
-    def synthetic(self, uploads: dict[int, Payload], ctx: ServerContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Alg. 1 lines 10-14: generate, then filter per class (Alg. 2)."""
+    def decoded(self, uploads: dict[int, Payload], ctx: ServerContext) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+        """Alg. 1 lines 10-13: the unfiltered synthetic set (images, labels) and the (K, C) matrix of
+        how many images of each class each generative client's decoder drew (in decoder order)."""
         _, decs, counts = self.decoders(uploads, ctx)
         alloc = allocate_per_class(counts, self.params["num_samples"])
         x, y = generate(decs, alloc, derive_seed(ctx.seed, self.name, "generate"))
+        return x, y, alloc
+
+    def synthetic(self, uploads: dict[int, Payload], ctx: ServerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Alg. 1 lines 10-14: generate, then filter per class (Alg. 2)."""
+        x, y, _ = self.decoded(uploads, ctx)
         ctx.record["synthetic_generated"] = len(y)
         if self.params["filter"]:
             keep = kmeans_filter(x, y, float(self.params["r_th"])).to(x.device)

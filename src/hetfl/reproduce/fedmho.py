@@ -654,6 +654,10 @@ def filter_report(root: Path, path: Path, budget: str, archive: Path | None = No
                            f"filter against R_th = 0.8, budget {budget}: mean over settings and seeds",
                            ylabel="final % minus R_th = 0.8 (same uploads)"):
         lines += ["", f"![filter sweep, {budget}]({figure.name})"]
+    if archive is not None:
+        from hetfl.reproduce.filter_probe import probe_file, probe_lines
+
+        lines += probe_lines(probe_file(archive, budget))
     return "\n".join(lines + [""])
 
 
@@ -1080,6 +1084,27 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
 
 
 # ---- command --------------------------------------------------------------------------------------
+def probe_filter(args: argparse.Namespace, root: Path, results: Path, notes: Path, settings: list[str]) -> int:
+    """``--filter-probe``: :func:`hetfl.reproduce.filter_probe.run_probes` on the chosen Table 4 cells
+    of ``--budget`` (each at FedMHO-MD's draw), then the results file again."""
+    from hetfl.reproduce.filter_probe import probe_file, run_probes
+
+    datasets, seeds = csv(args.datasets), common.int_list("seeds", args.seeds)
+    archive = common.archive_folder(results)
+    chosen = [s for s in _cells(root, args.budget, archive)
+              if _variant(cfg := s["config"]) == "main" and cfg["dataset"] in datasets and _alpha(cfg) in settings
+              and cfg["seed"] in seeds]
+    if not chosen:
+        raise ValueError(f"no Table 4 cell of budget {args.budget!r} matches --datasets {args.datasets} "
+                         f"--settings {','.join(settings)} --seeds {args.seeds}")
+    out = probe_file(archive, args.budget)
+    run_probes(chosen, out, Path(args.cache_dir), data_root=args.data_root, device=args.device)
+    print(f"wrote {out}")
+    write_results(root, results, notes)
+    print(f"wrote {results}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """``hetfl reproduce fedmho``: validate the whole grid, then run the cells not yet finished."""
     from hetfl.config import validate
@@ -1096,6 +1121,8 @@ def main(args: argparse.Namespace) -> int:
     common.check_choices("methods", methods, LABELS)
     common.check_choices("budget", args.budget, BUDGETS)
     common.check_choices("settings", settings, SETTINGS)
+    if getattr(args, "filter_probe", False):
+        return probe_filter(args, root, results, notes, settings)
     cells = grid(csv(args.datasets), settings, common.int_list("seeds", args.seeds), args.budget, methods,
                  args.ablation, getattr(args, "curve", False))
     for cfg in cells:  # validate the whole grid before running anything
