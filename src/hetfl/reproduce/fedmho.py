@@ -657,7 +657,7 @@ def filter_report(root: Path, path: Path, budget: str, archive: Path | None = No
     if archive is not None:
         from hetfl.reproduce.filter_probe import probe_file, probe_lines
 
-        lines += probe_lines(probe_file(archive, budget))
+        lines += probe_lines(probe_file(archive, budget), DATASETS)
     return "\n".join(lines + [""])
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -187,9 +188,10 @@ on the real training split ({references}) labels as their class; "entropy": its 
 decoders": % drawn by a decoder other than the class's main one. Means over the seeds probed (n)."""
 
 
-def probe_lines(path: Path) -> list[str]:
+def probe_lines(path: Path, datasets: Sequence[str] = ()) -> list[str]:
     """Markdown for the probes in ``path`` (:func:`run_probes`): one row per (dataset, setting) with
-    the kept and the dropped samples side by side ([] without the file)."""
+    the kept and the dropped samples side by side, the datasets in the order of ``datasets`` (others
+    after them, by name); [] without the file."""
     if not path.is_file():
         return []
     saved = json.loads(path.read_text())
@@ -203,12 +205,15 @@ def probe_lines(path: Path) -> list[str]:
                         if "real_distance" in r)
     r_th = sorted({p["r_th"] for p in probes})
     lines = ["", f"#### What the filter drops ({saved['method']}'s synthetic set)", "",
-             PROBE_INTRO.format(r_th=", ".join(f"{r:g}" for r in r_th), method=saved["method"],
-                                generated=max(p["all"]["n"] for p in probes), references=references,
-                                spreads=spreads or "not measured"), "",
+             textwrap.fill(" ".join(PROBE_INTRO.format(
+                 r_th=", ".join(f"{r:g}" for r in r_th), method=saved["method"],
+                 generated=max(p["all"]["n"] for p in probes), references=references,
+                 spreads=spreads or "not measured").split()), 104), "",
              "| dataset | setting | n | recognised % all / kept / dropped | entropy kept / dropped | "
              "spread kept / dropped | other decoders % kept / dropped |", "|---|---|---|---|---|---|---|"]
-    for (dataset, setting), group in sorted(rows.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
+    rank = {d: i for i, d in enumerate(datasets)}
+    for (dataset, setting), group in sorted(rows.items(), key=lambda kv: (rank.get(kv[0][0], len(rank)), kv[0][0],
+                                                                         _order(kv[0][1]))):
         m = mean_rows(group)
 
         def pair(name: str, digits: int, m: dict = m) -> str:
