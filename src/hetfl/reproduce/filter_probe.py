@@ -2,8 +2,10 @@
 Table 4 cells.
 
 The ablation cells find that, at our budgets, the filter costs FedMHO-MD and -SD accuracy, where the
-paper finds that it helps (its Sec. 4.2.3: samples far from their class's centre are of low quality).
-This probe asks whether the dropped samples are in fact worse. For one cell it reads the cell's uploads
+paper finds that it helps. The paper's reason (Sec. 4.4) is label confusion: a lightweight CVAE
+conditioned on one label occasionally decodes another class, and the filter removes such samples; too
+low an R_th costs diversity instead (Sec. 5.4.4). This probe asks whether the dropped samples are in
+fact the confused ones, and what the filter takes away besides. For one cell it reads the cell's uploads
 from the upload cache (no client trains again), decodes the method's unfiltered synthetic set exactly as
 the server stage does (:meth:`hetfl.methods.fedmho.FedMHO.decoded`: same decoders, allocation and seed),
 applies the filter, and compares the kept and the dropped samples:
