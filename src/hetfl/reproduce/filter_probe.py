@@ -185,7 +185,8 @@ def run_probes(cells: Sequence[dict[str, Any]], out: Path, cache_dir: Path, meth
 PROBE_INTRO = """What the filter drops, measured (`hetfl reproduce fedmho --filter-probe`): each Table 4 cell's
 uploads from the upload cache, the {generated:,} samples `{method}` decodes from them (its own draw), split
 by the filter at R_th = {r_th} into kept and dropped. "Recognised": % that a reference classifier trained
-on the real training split ({references}) labels as their class; "entropy": its mean softmax entropy
+on the real training split ({references}) labels as their class (the paper's reason for the filter is
+label confusion, Sec. 4.4: a sample decoded for one label that shows another class); "entropy": its mean softmax entropy
 (nats); "spread": mean pixel distance to the class's mean (real training images: {spreads}); "other
 decoders": % drawn by a decoder other than the class's main one. Means over the seeds probed (n)."""
 
