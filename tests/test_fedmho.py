@@ -803,7 +803,8 @@ def test_real_spread_is_the_mean_distance_to_the_class_mean(synthetic_small):
 def test_filter_probe_reads_a_cells_uploads_from_the_cache_and_decodes_its_synthetic_set(tiny_config, tmp_path):
     """cached_uploads trains nothing and names missing clients; the probe decodes the same set as the
     run's server stage (same digest, as many samples generated and kept), and the report renders it."""
-    from hetfl.reproduce.filter_probe import probe_cell, probe_lines, reference_model, run_probes
+    from hetfl.reproduce.filter_probe import probe_cell, reference_model, run_probes
+    from hetfl.reproduce.probe_table import probe_lines
 
     tiny_config.update(clients=4, name="fedmho-synthetic-a0.5-s0-tiny")
     tiny_config["client"]["epochs"] = 1

@@ -2132,7 +2132,8 @@ def test_archive_check_command_exits_1_on_another_processor_and_2_on_an_unknown_
 
 def test_the_paper_modules_import_without_torch():
     """The CLI imports both to build its help; torch, the methods and the simulator load only when a run needs them."""
-    code = ("import sys, hetfl.reproduce.fedhydra, hetfl.reproduce.fedmho, hetfl.reproduce.common; "
+    code = ("import sys, pathlib, hetfl.reproduce.fedhydra, hetfl.reproduce.fedmho, hetfl.reproduce.common; "
+            "hetfl.reproduce.fedmho.probe_lines(pathlib.Path('none.json')); "  # the report's probe table too
             "sys.exit(int('torch' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

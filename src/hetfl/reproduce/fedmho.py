@@ -32,6 +32,7 @@ from typing import Any
 
 from hetfl.reproduce import common
 from hetfl.reproduce.common import budget_cells, csv, failure_note, minutes_per_machine, run_cell, stats
+from hetfl.reproduce.probe_table import probe_file, probe_lines
 
 METHODS = ("fedavg", "feddf", "dense", "coboosting", "fedcvae_ens", "fedmho", "fedmho_md", "fedmho_sd")
 BASELINES = tuple(m for m in METHODS if not m.startswith("fedmho"))  # what the paper ranks MD/SD against
@@ -655,8 +656,6 @@ def filter_report(root: Path, path: Path, budget: str, archive: Path | None = No
                            ylabel="final % minus R_th = 0.8 (same uploads)"):
         lines += ["", f"![filter sweep, {budget}]({figure.name})"]
     if archive is not None:
-        from hetfl.reproduce.filter_probe import probe_file, probe_lines
-
         lines += probe_lines(probe_file(archive, budget), DATASETS)
     return "\n".join(lines + [""])
 
@@ -1087,7 +1086,7 @@ def write_results(root: Path, path: Path, notes: Path | None = None) -> None:
 def probe_filter(args: argparse.Namespace, root: Path, results: Path, notes: Path, settings: list[str]) -> int:
     """``--filter-probe``: :func:`hetfl.reproduce.filter_probe.run_probes` on the chosen Table 4 cells
     of ``--budget`` (each at FedMHO-MD's draw), then the results file again."""
-    from hetfl.reproduce.filter_probe import probe_file, run_probes
+    from hetfl.reproduce.filter_probe import run_probes  # torch: only on request
 
     datasets, seeds = csv(args.datasets), common.int_list("seeds", args.seeds)
     archive = common.archive_folder(results)
