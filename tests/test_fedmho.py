@@ -800,9 +800,11 @@ def test_real_spread_is_the_mean_distance_to_the_class_mean(synthetic_small):
     assert real_spread(data, chunk=7) == pytest.approx(sum(slow) / len(slow), abs=1e-3)
 
 
-def test_filter_probe_reads_a_cells_uploads_from_the_cache_and_decodes_its_synthetic_set(tiny_config, tmp_path):
+def test_filter_probe_reads_a_cells_uploads_from_the_cache_and_decodes_its_synthetic_set(tiny_config, tmp_path,
+                                                                                         monkeypatch):
     """cached_uploads trains nothing and names missing clients; the probe decodes the same set as the
-    run's server stage (same digest, as many samples generated and kept), and the report renders it."""
+    run's server stage (same digest, as many samples generated and kept), loads a dataset once for all
+    its cells, and the report renders it."""
     from hetfl.reproduce.filter_probe import probe_cell, reference_model, run_probes
     from hetfl.reproduce.probe_table import probe_lines
 
@@ -828,7 +830,20 @@ def test_filter_probe_reads_a_cells_uploads_from_the_cache_and_decodes_its_synth
     assert (got["all"]["n"], got["kept"]["n"]) == (ran["synthetic_generated"], ran["synthetic_used"])
     assert got["kept"]["n"] + got["dropped"]["n"] == got["all"]["n"]
     out = tmp_path / "filter-probe-tiny.json"
+    import hetfl.data
+    from hetfl.engine import simulator
+
+    loads = []
+
+    def counted(*args, **kwargs):
+        loads.append(args[0])
+        return load_dataset(*args, **kwargs)
+
+    load_dataset = hetfl.data.load_dataset
+    monkeypatch.setattr(hetfl.data, "load_dataset", counted)
+    monkeypatch.setattr(simulator, "load_dataset", counted)
     written = run_probes([summary, summary], out, cache, say=lambda _: None)
+    assert loads == ["synthetic"]  # two cells of one dataset: loaded once
     assert [p["cell"] for p in written["probes"]] == [cfg["name"]]  # probed twice: kept once
     assert written["reference"]["synthetic"]["real_distance"] > 0
     bad = {**summary, "results": {"fedmho_md": {**ran, "uploads_sha256": "0" * 64}}}

@@ -101,11 +101,15 @@ class Experiment:
         }
 
 
-def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool = True) -> Experiment:
+def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool = True,
+            splits: DatasetSplits | None = None) -> Experiment:
     """Load the dataset and make the partition (fails early on bad partitions). A remote
-    server (``partitioned=False``) only evaluates on the test split and never partitions."""
+    server (``partitioned=False``) only evaluates on the test split and never partitions. ``splits``:
+    the dataset, already loaded with ``cfg``'s dataset and data settings (a caller that prepares many
+    cells of one dataset loads it once)."""
     device = resolve_device(cfg["device"])
-    splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
+    if splits is None:
+        splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                                num_classes=splits.num_classes) if partitioned else None
     return Experiment(cfg, splits, partition, client_archs(cfg), device)

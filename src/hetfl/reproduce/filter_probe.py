@@ -101,14 +101,14 @@ def reference_model(splits: Any, arch: str, epochs: int, seed: int, device: torc
 
 
 def probe_cell(cfg: dict[str, Any], cache_dir: Path, method: str, reference: nn.Module,
-               data_root: str | None = None) -> dict[str, Any]:
+               data_root: str | None = None, splits: Any = None) -> dict[str, Any]:
     """:func:`probe` on the synthetic set that ``method`` of the cell ``cfg`` (its ``config``) decodes
     from the cell's cached uploads, at the method's own ``r_th``; also the uploads' digest, so that a
-    reader can check they are the cell's."""
+    reader can check they are the cell's. ``splits``: the cell's dataset, if already loaded."""
     from hetfl.engine.simulator import Simulator, prepare
     from hetfl.fl.cache import uploads_digest
 
-    exp = prepare(cfg, data_root)
+    exp = prepare(cfg, data_root, splits=splits)
     with tempfile.TemporaryDirectory() as out:
         algo, uploads, ctx = Simulator(exp, Path(out), cache_dir=cache_dir, quiet=True).cached_uploads(method)
     if not hasattr(algo, "decoded"):
@@ -138,17 +138,21 @@ def run_probes(cells: Sequence[dict[str, Any]], out: Path, cache_dir: Path, meth
     references: dict[str, Any] = saved.get("reference", {})
     probes = {p["cell"]: p for p in saved.get("probes", [])}
     models: dict[str, nn.Module] = {}
+    loaded: dict[str, Any] = {}  # the dataset, loaded once per (dataset, data settings)
     for summary in cells:
         cfg = {**summary["config"], **({"device": device} if device else {})}
         dataset = cfg["dataset"]
+        data_key = json.dumps([dataset, data_root or cfg["data_root"], cfg["data"]], sort_keys=True, default=str)
+        if data_key not in loaded:
+            loaded[data_key] = load_dataset(dataset, data_root or cfg["data_root"], cfg["data"])
+        splits = loaded[data_key]
         if dataset not in models:
-            splits = load_dataset(dataset, data_root or cfg["data_root"], cfg["data"])
             say(f"{dataset}: training the reference {arch} ({epochs} epochs on the real training split)")
             models[dataset], accuracy = reference_model(splits, arch, epochs, 0, resolve_device(cfg["device"]))
             references[dataset] = {"arch": arch, "epochs": epochs, "seed": 0, "test_accuracy": accuracy,
                                    "real_distance": real_spread(splits.train)}
             say(f"{dataset}: reference test accuracy {accuracy:.2f} %")
-        result = probe_cell(cfg, cache_dir, method, models[dataset], data_root)
+        result = probe_cell(cfg, cache_dir, method, models[dataset], data_root, splits)
         recorded = summary.get("results", {}).get(method, {}).get("uploads_sha256")
         if recorded not in (None, result["uploads_sha256"]):
             raise ValueError(f"{cfg['name']}: the cache's uploads are not the ones {method} ran on "
