@@ -833,13 +833,12 @@ def test_filter_probe_reads_a_cells_uploads_from_the_cache_and_decodes_its_synth
     import hetfl.data
     from hetfl.engine import simulator
 
-    loads = []
+    real_load, loads = hetfl.data.load_dataset, []
 
     def counted(*args, **kwargs):
         loads.append(args[0])
-        return load_dataset(*args, **kwargs)
+        return real_load(*args, **kwargs)
 
-    load_dataset = hetfl.data.load_dataset
     monkeypatch.setattr(hetfl.data, "load_dataset", counted)
     monkeypatch.setattr(simulator, "load_dataset", counted)
     written = run_probes([summary, summary], out, cache, say=lambda _: None)
