@@ -138,13 +138,14 @@ def run_probes(cells: Sequence[dict[str, Any]], out: Path, cache_dir: Path, meth
     references: dict[str, Any] = saved.get("reference", {})
     probes = {p["cell"]: p for p in saved.get("probes", [])}
     models: dict[str, nn.Module] = {}
-    loaded: dict[str, Any] = {}  # the dataset, loaded once per (dataset, data settings)
+    loaded: dict[str, Any] = {}  # the dataset, loaded once per (dataset, data root, data settings)
     for summary in cells:
         cfg = {**summary["config"], **({"device": device} if device else {})}
         dataset = cfg["dataset"]
-        data_key = json.dumps([dataset, data_root or cfg["data_root"], cfg["data"]], sort_keys=True, default=str)
+        root = data_root or cfg["data_root"]
+        data_key = json.dumps([dataset, root, cfg["data"]], sort_keys=True, default=str)
         if data_key not in loaded:
-            loaded[data_key] = load_dataset(dataset, data_root or cfg["data_root"], cfg["data"])
+            loaded[data_key] = load_dataset(dataset, root, cfg["data"])
         splits = loaded[data_key]
         if dataset not in models:
             say(f"{dataset}: training the reference {arch} ({epochs} epochs on the real training split)")
