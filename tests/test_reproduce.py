@@ -1,8 +1,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -561,24 +563,87 @@ def test_worker_threads_share_the_cores_among_the_workers_that_can_run_at_once()
         worker_threads(2, 2, 0)
 
 
-def test_stopping_parallel_workers_sends_one_sigint_and_waits_for_their_checkpoints(tmp_path):
-    import subprocess
-    import sys
-    import time
+# A stand-in worker that saves on a stop signal as the real ones do: it waits inside stop_deferred,
+# writes "saved" once asked to stop, then leaves the block (which re-raises the signal). It touches
+# "ready" once its handlers are set, and with KILL_SELF it sends itself SIGTERM first.
+FAKE_WORKER = """import os, pathlib, signal, sys, time
+from hetfl.fl.training import stop_deferred
+out = pathlib.Path(sys.argv[1])
+with stop_deferred() as asked:
+    (out / "ready").touch()
+    if sys.argv[2] == "kill-self":
+        while not pathlib.Path(sys.argv[3]).exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+    while asked() is None:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    (out / "saved").write_text(asked().name)
+"""
 
+
+def test_stopping_parallel_workers_sends_sigterm_and_waits_for_their_checkpoints(tmp_path):
+    """SIGTERM, which a worker of a background run (SIGINT ignored) also receives."""
     from hetfl.reproduce.common import _Job, _stop
 
-    flag = tmp_path / "saved"
-    code = ("import time, pathlib\n"
-            "try:\n    time.sleep(60)\n"
-            f"except KeyboardInterrupt:\n    time.sleep(0.3); pathlib.Path({str(flag)!r}).write_text('ok')\n")
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", f"import pathlib; pathlib.Path({str(ready)!r}).touch()\n" + code])
-    while not ready.exists():
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(tmp_path), "wait"])
+    while not (tmp_path / "ready").exists():
         time.sleep(0.01)
-    job = _Job("cell", ["dense"], tmp_path, tmp_path / "log", proc)
-    _stop([job], grace=0.1, timeout=30)
-    assert proc.returncode == 0 and flag.read_text() == "ok"  # it finished its "checkpoint" and exited
+    _stop([_Job("cell", ["dense"], tmp_path, tmp_path / "log", proc)], grace=0.1, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and (tmp_path / "saved").read_text() == "SIGTERM"
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["worker", "parent"])
+def test_a_stop_signal_stops_every_worker_and_starts_no_other_job(tmp_path, tiny_config, monkeypatch, how):
+    """A worker ended by SIGTERM is a stop, not a failure: the parent stops the other worker (which
+    saves) and starts no job. So is SIGTERM to the parent: it finishes its loop step, stops both
+    workers, then re-raises SIGTERM (here a handler of the test's, not the default that would end it)."""
+    from hetfl.reproduce import common
+
+    def fake_start(job, cfg, cache, data_root, quiet, threads):
+        job.out.mkdir(parents=True, exist_ok=True)
+        if job.methods == ["ensemble", "fedavg"]:  # the clients' job: done at once
+            job.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        else:
+            other = tmp_path / ".parts" / "tiny" / "feddf" / "ready"
+            kill_self = how == "worker" and job.methods == ["dense"]
+            job.proc = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, str(job.out),
+                                         "kill-self" if kill_self else "wait", str(other)])
+        job.start = time.perf_counter()
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if how == "parent" and line == "tiny: feddf started":
+            for m in ("dense", "feddf"):
+                while not (tmp_path / ".parts" / "tiny" / m / "ready").exists():
+                    time.sleep(0.01)
+            signal.raise_signal(signal.SIGTERM)  # held back until the loop's step ends
+
+    def stopped(*_):
+        raise _Stopped
+
+    monkeypatch.setattr(common, "_start", fake_start)
+    lines: list[str] = []
+    raw = {**tiny_config, "device": "cpu",
+           "methods": {m: {} for m in ("ensemble", "fedavg", "dense", "feddf", "coboosting")}}
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        with pytest.raises(_Stopped if how == "parent" else KeyboardInterrupt):
+            common.run_cells_parallel([raw], tmp_path, tmp_path / "cache", None, jobs=2, threads=1, say=say)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "tiny: ensemble,fedavg done" in " ".join(lines)
+    assert not any("coboosting started" in line for line in lines) and not any("FAILED" in line for line in lines)
+    parts = tmp_path / ".parts" / "tiny"
+    assert (parts / "feddf" / "saved").read_text() == "SIGTERM"  # stopped by the parent, after its save
+    if how == "worker":
+        assert any(line.startswith("tiny: dense stopped by a signal") for line in lines)
+    else:
+        assert (parts / "dense" / "saved").read_text() == "SIGTERM"
 
 
 # ---- the archive: measured summaries kept in git beside the results file --------------------------
@@ -1879,8 +1944,6 @@ def test_a_resumed_cell_starts_all_its_missing_methods_at_once(tmp_path, tiny_co
 def test_client_shards_minutes_count_in_the_cells_minutes(tmp_path, tiny_config):
     """The shards write no summary: their wall minutes go into the cell's (after the clients' job, or
     at once in a resumed cell), so a cell's minutes count every process that worked on it."""
-    import time
-
     from hetfl.reproduce.common import _advance, _plan, cell_minutes
 
     gen = {"epochs": 1, "generator_steps": 1, "batch_size": 8}

@@ -1049,8 +1049,10 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     can run beside it when it starts, :func:`worker_threads`: a cell's clients' job alone gets every core).
     ``done(cell)`` is called once per cell when its last job has ended and been merged (at once for a
     cell with nothing left to run), e.g. to archive it. Returns the failed jobs (``cell: methods
-    (log)``); Ctrl-C stops the workers, which keep their checkpoints, so the same call resumes (a
-    worker that finished but was not merged is merged first: :func:`merge_finished_parts`).
+    (log)``). Ctrl-C or SIGTERM to this process (it waits for the step under way), or a worker stopped
+    by either, stops every worker, which keep their checkpoints, and starts no other job: the same call
+    resumes (a worker that finished but was not merged is merged first: :func:`merge_finished_parts`).
+    The stop ends with KeyboardInterrupt, or, for SIGTERM to this process, with SIGTERM re-raised.
 
     ``client_jobs`` > 1 splits each cell's client training over that many processes first, each
     training one shard of the clients (:func:`client_shards`) for every missing method; the clients'
@@ -1075,29 +1077,52 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     for name in by_name if done is not None else ():
         if name not in plan.later:  # finished before this call
             done(name)
-    try:
-        while plan.ready or running:
-            while plan.ready and len(running) < jobs:
-                job = plan.ready.pop(0)
-                _start(job, by_name[job.cell], cache, data_root, quiet,
-                       threads or worker_threads(os.cpu_count() or 1, jobs, len(running) + 1 + len(plan.ready)))
-                running.append(job)
-                say(f"{job.cell}: {_label(job)} started")
-            time.sleep(0.2)
-            for job in [j for j in running if j.proc is not None and j.proc.poll() is not None]:
-                running.remove(job)
-                ok = job.proc is not None and job.proc.returncode == 0
-                say(f"{job.cell}: {_label(job)} {'done' if ok else 'FAILED'} "
-                    f"({(time.perf_counter() - job.start) / 60:.1f} min)")
-                if not ok:
-                    failed.append(f"{job.cell}: {_label(job)} ({job.log})")
-                _advance(plan, job, ok, root, by_name)
-                if done is not None and not _pending(job.cell, plan, running):
-                    done(job.cell)
-    except KeyboardInterrupt:
-        _stop(running)
-        raise
+    from hetfl.fl.training import stop_deferred
+
+    with stop_deferred("hetfl reproduce: stopping the workers (each saves its checkpoint first)") as asked:
+        try:
+            while plan.ready or running:
+                while plan.ready and len(running) < jobs and asked() is None:
+                    job = plan.ready.pop(0)
+                    _start(job, by_name[job.cell], cache, data_root, quiet,
+                           threads or worker_threads(os.cpu_count() or 1, jobs, len(running) + 1 + len(plan.ready)))
+                    running.append(job)
+                    say(f"{job.cell}: {_label(job)} started")
+                time.sleep(0.2)
+                if asked() is not None:  # this process was sent SIGINT or SIGTERM
+                    raise KeyboardInterrupt
+                for job in [j for j in running if j.proc is not None and j.proc.poll() is not None]:
+                    running.remove(job)
+                    _ended(job, plan, running, failed, root, by_name, say, done)
+        except KeyboardInterrupt:
+            _stop(running)
+            raise
     return failed
+
+
+STOPPED_CODES = (130, -signal.SIGINT, -signal.SIGTERM)  # a worker that Ctrl-C, SIGINT or SIGTERM stopped
+
+
+def _ended(job: _Job, plan: _Plan, running: list[_Job], failed: list[str], root: Path,
+           by_name: dict[str, dict[str, Any]], say: Callable[[str], None],
+           done: Callable[[str], Any] | None) -> None:
+    """Account for a worker that has ended: merge it and start what it lets start, or record it as
+    failed. A worker stopped by a signal (say ``pkill -TERM -f hetfl.reproduce.worker``, or a deadline's
+    SIGTERM that reached the workers first) means the run is being stopped: KeyboardInterrupt, so that
+    the caller stops the other workers (they save their checkpoints) and starts no job, instead of
+    counting it as failed and starting the next."""
+    code = job.proc.returncode if job.proc is not None else None
+    minutes = f"({(time.perf_counter() - job.start) / 60:.1f} min)"
+    if code in STOPPED_CODES:
+        say(f"{job.cell}: {_label(job)} stopped by a signal {minutes}: stopping the other workers")
+        raise KeyboardInterrupt
+    ok = code == 0
+    say(f"{job.cell}: {_label(job)} {'done' if ok else 'FAILED'} {minutes}")
+    if not ok:
+        failed.append(f"{job.cell}: {_label(job)} ({job.log})")
+    _advance(plan, job, ok, root, by_name)
+    if done is not None and not _pending(job.cell, plan, running):
+        done(job.cell)
 
 
 def _label(job: _Job) -> str:
@@ -1156,16 +1181,19 @@ def run_grid_parallel(cells: list[dict[str, Any]], root: Path, cache: Path, data
 
 
 def _stop(running: list[_Job], grace: float = 2.0, timeout: float = 120.0) -> None:
-    """Stop the workers as Ctrl-C would: a terminal's Ctrl-C has reached them already (same process
-    group), so wait ``grace`` seconds before sending SIGINT to those still running (a second SIGINT
-    could cut a checkpoint short), then up to ``timeout`` for them to write their checkpoints."""
+    """Stop the workers: a terminal's Ctrl-C (or a deadline's signal to the process group) may have
+    reached them already, so wait ``grace`` seconds before sending SIGTERM to those still running (a
+    second signal could cut a checkpoint short), then up to ``timeout`` for them to write their
+    checkpoints. SIGTERM, not SIGINT: a run started in the background by a shell without job control
+    (``cmd &``) has SIGINT ignored, and its workers inherit that; every worker saves on SIGTERM as it
+    does on SIGINT (:func:`hetfl.fl.training.stop_deferred`)."""
     procs = [j.proc for j in running if j.proc is not None]
     end = time.monotonic() + grace
     while any(p.poll() is None for p in procs) and time.monotonic() < end:
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)
     for p in procs:
         try:
             p.wait(timeout=timeout)
