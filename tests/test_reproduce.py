@@ -565,7 +565,8 @@ def test_worker_threads_share_the_cores_among_the_workers_that_can_run_at_once()
 
 # A stand-in worker that saves on a stop signal as the real ones do: it waits inside stop_deferred,
 # writes "saved" once asked to stop, then leaves the block (which re-raises the signal). It touches
-# "ready" once its handlers are set, and with KILL_SELF it sends itself SIGTERM first.
+# "ready" once its handlers are set; given "kill-self", it sends itself SIGTERM once the file named
+# third exists.
 FAKE_WORKER = """import os, pathlib, signal, sys, time
 from hetfl.fl.training import stop_deferred
 out = pathlib.Path(sys.argv[1])

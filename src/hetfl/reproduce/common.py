@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetfl.reproduce.worker import INTERRUPTED
+
 
 def run_cell(cfg: dict[str, Any], root: Path, cache: Path, data_root: str | None,
              runner: Callable[..., dict[str, Any]]) -> dict[str, Any]:
@@ -1100,7 +1102,7 @@ def run_cells_parallel(cells: list[dict[str, Any]], root: Path, cache: Path | No
     return failed
 
 
-STOPPED_CODES = (130, -signal.SIGINT, -signal.SIGTERM)  # a worker that Ctrl-C, SIGINT or SIGTERM stopped
+STOPPED_CODES = (INTERRUPTED, -signal.SIGINT, -signal.SIGTERM)  # a worker that Ctrl-C, SIGINT or SIGTERM stopped
 
 
 def _ended(job: _Job, plan: _Plan, running: list[_Job], failed: list[str], root: Path,

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+INTERRUPTED = 130  # the exit status of a worker that Ctrl-C or SIGINT stopped (a shell's 128 + 2)
+
 
 def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                                       job["data_root"], bool(job["quiet"]), warm=job.get("warm"))
     except KeyboardInterrupt:
         print("worker: interrupted (checkpoints written so far are kept)", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     if "minutes" not in summary:  # a summary returned unchanged (nothing left to run) keeps its minutes
         summary["minutes"] = (time.perf_counter() - start) / 60
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -56,7 +58,7 @@ def train_shard(job: dict, out: Path, start: float) -> int:
     except KeyboardInterrupt:
         print("worker: interrupted (uploads cached so far and the last local training checkpoint kept)",
               file=sys.stderr)
-        return 130
+        return INTERRUPTED
     print(f"shard: clients {job['clients']}, uploads {counts}, {(time.perf_counter() - start) / 60:.2f} min")
     return 0
 
