@@ -3,7 +3,7 @@
 steps (:func:`hetfl.fl.training.weights_frozen`, what the loop does) and without (the loop before the
 fifty-third session), interleaved, and check that both keep the same batches.
 
-    python scripts/bench_synthesis_step.py --precision bf16 --threads 2 --steps 5 --repeats 5
+    python scripts/bench_synthesis_step.py --precision bf16 --threads 2 --steps 5 --repeats 5 [--compile]
 
 Prints one JSON line: milliseconds per generator step each way (median of ``--repeats`` interleaved
 rounds after one warm-up round), the speed-up, and whether the kept batches were equal to the bit.
@@ -36,7 +36,8 @@ def distiller(args: argparse.Namespace, out: Path) -> DataFreeDistiller:
                         client_archs=["cnn2"] * args.teachers, server_arch="cnn2", train_cfg=TrainConfig(),
                         device=torch.device(args.device), out_dir=out, evaluate=lambda model: {"accuracy": 0.0},
                         log=lambda *a, **k: None, progress=lambda it, **k: it, pooled_train_data=lambda: None)
-    cfg = DataFreeConfig(epochs=1, generator_steps=args.steps, batch_size=args.batch, precision=args.precision)
+    cfg = DataFreeConfig(epochs=1, generator_steps=args.steps, batch_size=args.batch, precision=args.precision,
+                         compile=args.compile)
     return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), cfg, ctx, "dense")
 
 
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true", help="the loop's compile: true (the warm-up round compiles)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ways = {"frozen": weights_frozen, "unfrozen": lambda model: contextlib.nullcontext()}
@@ -71,7 +73,7 @@ def main() -> None:
                 times[name].append((time.perf_counter() - start) / args.steps * 1000)
         datafree.weights_frozen = weights_frozen
     ms = {name: statistics.median(t) for name, t in times.items()}
-    print(json.dumps({"precision": args.precision, "threads": args.threads, "ms_per_step": ms,
+    print(json.dumps({"precision": args.precision, "compile": args.compile, "threads": args.threads, "ms_per_step": ms,
                       "speedup": ms["unfrozen"] / ms["frozen"], "same_batches": same,
                       "rounds": {n: [round(x, 1) for x in t] for n, t in times.items()}}))
 

@@ -852,6 +852,61 @@ def test_config_key_leaves_later_keys_out_at_their_default():
     assert json.loads(config_key(DataFreeConfig(generator_grad_clip=10.0)))["generator_grad_clip"] == 10.0
     assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
     assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
+    for key, value in (("distill_precision", "bf16"), ("compile", True)):  # added in session 76
+        assert key not in json.loads(config_key(DataFreeConfig()))
+        assert key not in json.loads(config_key(dense.config, method="dense", params=dense.params))["params"]
+        assert json.loads(config_key(DataFreeConfig(**{key: value})))[key] == value
+
+
+@pytest.mark.parametrize("bad, match", [({"distill_precision": "fp16"}, "distill_precision must be fp32 or bf16"),
+                                        ({"compile": "yes"}, "compile must be true or false")])
+def test_distill_precision_and_compile_are_checked(bad, match):
+    from hetfl.fl.datafree import DataFreeConfig
+
+    with pytest.raises(ValueError, match=match):
+        DataFreeConfig(**bad)
+
+
+def test_compile_without_a_cpp_compiler_fails_before_training(monkeypatch):
+    import hetfl.methods  # noqa: F401
+    from hetfl.fl import training
+    from hetfl.fl.method import create_method
+
+    monkeypatch.setattr(training.shutil, "which", lambda name: None)
+    ctx = type("Ctx", (), {"device": CPU})()
+    with pytest.raises(ValueError, match="compile: true needs a C\\+\\+ compiler"):
+        create_method("fedhydra", {"compile": True}).check(ctx)
+    create_method("fedhydra", {}).check(ctx)  # the eager default needs none
+
+
+def test_bf16_distillation_steps_the_student_close_to_fp32(tmp_path):
+    """``distill_precision: bf16`` autocasts the student's forward in the KD steps: from the same
+    weights on the same batches the losses agree to bf16's precision, and the weights stay fp32."""
+    kd = {}
+    for precision in ("fp32", "bf16"):
+        engine = _distiller(tmp_path / precision, distill_precision=precision, batch_size=32, lr=0.05)
+        batches = engine.synthesize(1)
+        kd[precision] = (engine.distill(batches * 3)["kd_loss"],
+                         torch.cat([p.detach().flatten() for p in engine.student.parameters()]))
+    assert kd["bf16"][1].dtype == torch.float32
+    assert kd["bf16"][0] == pytest.approx(kd["fp32"][0], rel=0.05)
+    assert not torch.equal(kd["bf16"][1], kd["fp32"][1])  # another arithmetic, so other weights
+    assert torch.allclose(kd["bf16"][1], kd["fp32"][1], atol=0.05)
+
+
+def test_compiled_generator_step_keeps_the_eager_batches(tmp_path):
+    """``compile`` runs the teachers', student's and BN hooks' part of each generator step through
+    torch.compile: the same synthetic batches and client logits as eager mode, up to float
+    summation order, and the BN hooks still feed L_BN (one graph for every step)."""
+    out = {}
+    for flag in (False, True):
+        engine = _distiller(tmp_path / str(flag), compile=flag, generator_steps=3, batch_size=16)
+        out[flag] = engine.synthesize(1)
+        assert not any(engine.bn.values)  # the hooks' lists are emptied after each step
+    for (x0, y0, l0), (x1, y1, l1) in zip(out[False], out[True], strict=True):
+        assert torch.equal(y0, y1)
+        assert (x0.int() - x1.int()).abs().max() <= 1  # uint8 images: at most one level apart
+        assert torch.allclose(l0, l1, atol=1e-3)
 
 
 def test_feddf_resumes_an_interrupted_distillation_to_the_same_students(tmp_path, monkeypatch):

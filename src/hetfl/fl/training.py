@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
+import shutil
 import signal
 import sys
 import threading
@@ -55,10 +57,19 @@ class TrainConfig:
 PRECISIONS = ("fp32", "bf16")
 
 
-def check_precision(precision: object) -> None:
-    """The one check of a ``precision`` setting, shared by every loop that autocasts."""
+def check_precision(precision: object, key: str = "precision") -> None:
+    """The one check of a precision setting (named ``key`` in the message), shared by every loop that
+    autocasts."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+        raise ValueError(f"{key} must be fp32 or bf16, got {precision!r}")
+
+
+def check_compile(device: torch.device) -> None:
+    """``torch.compile`` on a CPU generates C++: fail before any training where no compiler is found."""
+    compilers = (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")
+    if device.type == "cpu" and not any(shutil.which(c) for c in compilers):
+        raise ValueError("compile: true needs a C++ compiler (g++, c++ or clang++ on the PATH, or $CXX) for "
+                         "torch.compile on a CPU; set compile: false")
 
 
 @functools.cache

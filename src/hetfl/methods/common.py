@@ -11,6 +11,7 @@ from torch import nn
 from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller, Recipe, config_key
 from hetfl.fl.method import OneShotMethod, ServerContext
 from hetfl.fl.payload import Payload, PayloadError
+from hetfl.fl.training import check_compile
 
 
 def classifier_from_upload(upload: Payload, client_id: int, ctx: ServerContext) -> nn.Module:
@@ -53,8 +54,10 @@ class DataFreeMethod(OneShotMethod):
         return DataFreeConfig(**{k: v for k, v in self.params.items() if k in keys})
 
     def check(self, ctx: ServerContext) -> None:
-        """Bad loop settings (epochs, batch size, precision) fail before any training."""
-        self.config  # noqa: B018  (constructing DataFreeConfig validates it)
+        """Bad loop settings (epochs, batch size, precision, compile without a compiler) fail before any
+        training."""
+        if self.config.compile:  # constructing DataFreeConfig validates the other keys
+            check_compile(ctx.device)
 
     def recipe(self, teachers: list[nn.Module], ctx: ServerContext) -> Recipe:
         raise NotImplementedError

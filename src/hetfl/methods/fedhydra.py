@@ -14,7 +14,10 @@ Paper: "A Unified Solution to Diverse Heterogeneities in One-Shot Federated Lear
   generators' convolutions dominate and cost the same either way (``torch.func.vmap`` measured
   2.3x slower, grouped convolutions 2.5x slower); the stage is kept under 10 % of the generation
   stage by its smaller batch (``strat_batch_size`` 64 vs 256, and m*c = 50 runs vs T_g = 200:
-  6.25 % of the generator steps x images).
+  6.25 % of the generator steps x images). With ``channels_last`` (the loop's default) the teachers
+  are put in NHWC before stratification, as the loop puts them after it: 1.2x on the stage on an AMX
+  Xeon (47.7 against 57.6 s per client in fp32), U within 3 % (float summation order). bf16 was
+  measured and not offered: it halved U's entries on random teachers (a bias, not noise).
 * **Stratified aggregation** (Alg. 3, Eq. 8-11): ``P_hat_k = P_k * U_c[:, k]`` and
   ``P[i] = sum_k U_r[y_i, k] * P_hat_k[i]``, one einsum over the (m, b, c) logits.
 * **Data generation** (Eq. 12-16): ``L_gen = CE(P, y) + lambda_1 L_BN + lambda_2 L_AD`` with ``L_BN``
@@ -288,6 +291,8 @@ class FedHydra(DataFreeMethod):
                 ctx.add_prior_seconds(saved["seconds"])
         else:
             start = time.perf_counter()
+            if cfg.channels_last:  # the teachers in NHWC as in the loop after it: 1.2x here (docs/BENCHMARKS.md)
+                teachers = [t.to(memory_format=torch.channels_last) for t in teachers]
             L = stratify_losses(teachers, ctx.num_classes, ctx.shape, cfg.generator_steps,
                                 self.params["strat_batch_size"], cfg.generator_lr, cfg.nz, ctx.seed, ctx.device,
                                 ctx.progress).cpu()
