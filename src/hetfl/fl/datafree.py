@@ -193,7 +193,7 @@ class DataFreeConfig:
     precision: str = "fp32"  # fp32 | bf16 autocast for the generator, teacher and student forwards of synthesis
     channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
     distill_precision: str = "fp32"  # fp32 | bf16 autocast for the student's forward in the KD steps
-    compile: bool = False  # torch.compile the generator step's teacher, student and loss part (not G itself)
+    compile: bool = False  # torch.compile the generator step's teacher and student forwards (guide), not G or the loss
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
     grad_clip: float = 0.0  # clip the student's gradient norm in each KD step (0: off; Co-Boosting's code: 10)
     generator_grad_clip: float = 0.0  # clip the generator's gradient norm in each step (0: off; Co-Boosting's code: 10)
