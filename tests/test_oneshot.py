@@ -898,15 +898,23 @@ def test_compiled_generator_step_keeps_the_eager_batches(tmp_path):
     """``compile`` runs the teachers', student's and BN hooks' part of each generator step through
     torch.compile: the same synthetic batches and client logits as eager mode, up to float
     summation order, and the BN hooks still feed L_BN (one graph for every step)."""
-    out = {}
+    out, guided = {}, {}
+    x = torch.rand(16, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(16) % 10
     for flag in (False, True):
         engine = _distiller(tmp_path / str(flag), compile=flag, generator_steps=3, batch_size=16)
         out[flag] = engine.synthesize(1)
         assert not any(engine.bn.values)  # the hooks' lists are emptied after each step
+        guided[flag] = engine._guide(x.contiguous(memory_format=torch.channels_last), y)
     for (x0, y0, l0), (x1, y1, l1) in zip(out[False], out[True], strict=True):
         assert torch.equal(y0, y1)
         assert (x0.int() - x1.int()).abs().max() <= 1  # uint8 images: at most one level apart
         assert torch.allclose(l0, l1, atol=1e-3)
+    bn_eager, bn_compiled = guided[False][3], guided[True][3]
+    assert bn_eager.shape == (2,) and float(bn_eager.min()) > 0  # one L_BN per teacher, from the hooks
+    assert torch.allclose(bn_compiled, bn_eager, rtol=1e-4)
+    for eager, compiled in zip(guided[False][:3], guided[True][:3], strict=True):  # logits, P, student
+        assert torch.allclose(compiled, eager, atol=1e-4)
 
 
 def test_feddf_resumes_an_interrupted_distillation_to_the_same_students(tmp_path, monkeypatch):

@@ -66,8 +66,8 @@ def check_precision(precision: object, key: str = "precision") -> None:
 
 def check_compile(device: torch.device) -> None:
     """``torch.compile`` on a CPU generates C++: fail before any training where no compiler is found."""
-    compilers = (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")
-    if device.type == "cpu" and not any(shutil.which(c) for c in compilers):
+    compilers = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    if device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
         raise ValueError("compile: true needs a C++ compiler (g++, c++ or clang++ on the PATH, or $CXX) for "
                          "torch.compile on a CPU; set compile: false")
 
