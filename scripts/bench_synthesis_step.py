@@ -1,12 +1,17 @@
 """Time one data-free synthesis (DENSE's recipe: ``teachers`` random cnn2 teachers and a cnn2 student,
-``steps`` generator steps at batch ``batch``) with the student's weights frozen during the generator's
-steps (:func:`hetfl.fl.training.weights_frozen`, what the loop does) and without (the loop before the
-fifty-third session), interleaved, and check that both keep the same batches.
+``steps`` generator steps at batch ``batch``) two ways, interleaved, and compare the batches they keep.
+
+``--compare frozen`` (default): the student's weights frozen during the generator's steps
+(:func:`hetfl.fl.training.weights_frozen`, what the loop does) against not (the loop before the
+fifty-third session); the kept batches must be equal to the bit. ``--compare compile``: the loop's
+``compile: true`` against eager, both frozen; the kept uint8 batches may differ by a rounding step.
 
     python scripts/bench_synthesis_step.py --precision bf16 --threads 2 --steps 5 --repeats 5 [--compile]
+    python scripts/bench_synthesis_step.py --compare compile --precision fp32 --threads 2
 
 Prints one JSON line: milliseconds per generator step each way (median of ``--repeats`` interleaved
-rounds after one warm-up round), the speed-up, and whether the kept batches were equal to the bit.
+rounds after one warm-up round, which compiles), the speed-up of the second way over the first, and
+whether the kept batches were equal to the bit (and their largest difference in uint8 levels).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from hetfl.methods.dense import DenseRecipe
 from hetfl.models import build_model
 
 
-def distiller(args: argparse.Namespace, out: Path) -> DataFreeDistiller:
+def distiller(args: argparse.Namespace, out: Path, compile_guide: bool) -> DataFreeDistiller:
     torch.manual_seed(0)
     teachers = [build_model("cnn2", 1, 28, 10) for _ in range(args.teachers)]
     ctx = ServerContext(seed=0, num_classes=10, shape=(1, 28, 28), num_clients=args.teachers,
@@ -37,7 +42,7 @@ def distiller(args: argparse.Namespace, out: Path) -> DataFreeDistiller:
                         device=torch.device(args.device), out_dir=out, evaluate=lambda model: {"accuracy": 0.0},
                         log=lambda *a, **k: None, progress=lambda it, **k: it, pooled_train_data=lambda: None)
     cfg = DataFreeConfig(epochs=1, generator_steps=args.steps, batch_size=args.batch, precision=args.precision,
-                         compile=args.compile)
+                         compile=compile_guide)
     return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), cfg, ctx, "dense")
 
 
@@ -50,22 +55,31 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--compile", action="store_true", help="the loop's compile: true (the warm-up round compiles)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --compare frozen: both ways with the loop's compile: true")
+    ap.add_argument("--compare", default="frozen", choices=["frozen", "compile"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = {"frozen": weights_frozen, "unfrozen": lambda model: contextlib.nullcontext()}
+    unfrozen = lambda model: contextlib.nullcontext()  # noqa: E731
+    if args.compare == "frozen":  # name: (how the student is held during G's steps, compile)
+        ways = {"unfrozen": (unfrozen, args.compile), "frozen": (weights_frozen, args.compile)}
+    else:
+        ways = {"eager": (weights_frozen, False), "compiled": (weights_frozen, True)}
     with tempfile.TemporaryDirectory() as tmp:
-        engines = {name: distiller(args, Path(tmp) / name) for name in ways}
+        engines = {name: distiller(args, Path(tmp) / name, way[1]) for name, way in ways.items()}
         kept = {}
         for name, engine in engines.items():  # warm-up round; the same epoch seed gives the same batches
-            datafree.weights_frozen = ways[name]
+            datafree.weights_frozen = ways[name][0]
             kept[name] = engine.synthesize(1)
-        same = all(torch.equal(a, b) for ka, kb in zip(kept["frozen"], kept["unfrozen"], strict=True)
-                   for a, b in zip(ka, kb, strict=True))
+        first, second = kept.values()
+        pairs = [(a, b) for ka, kb in zip(first, second, strict=True) for a, b in zip(ka, kb, strict=True)]
+        same = all(torch.equal(a, b) for a, b in pairs)
+        levels = max(int((a.int() - b.int()).abs().max()) if not a.is_floating_point()
+                     else float((a - b).abs().max()) for a, b in pairs)
         times: dict[str, list[float]] = {name: [] for name in ways}
         for r in range(args.repeats):
             for name, engine in engines.items():
-                datafree.weights_frozen = ways[name]
+                datafree.weights_frozen = ways[name][0]
                 start = time.perf_counter()
                 engine.synthesize(r + 2)
                 if args.device.startswith("cuda"):
@@ -73,8 +87,10 @@ def main() -> None:
                 times[name].append((time.perf_counter() - start) / args.steps * 1000)
         datafree.weights_frozen = weights_frozen
     ms = {name: statistics.median(t) for name, t in times.items()}
-    print(json.dumps({"precision": args.precision, "compile": args.compile, "threads": args.threads, "ms_per_step": ms,
-                      "speedup": ms["unfrozen"] / ms["frozen"], "same_batches": same,
+    slow, fast = ms.values()
+    print(json.dumps({"compare": args.compare, "precision": args.precision, "compile": args.compile,
+                      "threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                      "ms_per_step": ms, "speedup": slow / fast, "same_batches": same, "max_diff": levels,
                       "rounds": {n: [round(x, 1) for x in t] for n, t in times.items()}}))
 
 
