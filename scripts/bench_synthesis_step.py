@@ -5,6 +5,8 @@
 (:func:`hetfl.fl.training.weights_frozen`, what the loop does) against not (the loop before the
 fifty-third session); the kept batches must be equal to the bit. ``--compare compile``: the loop's
 ``compile: true`` against eager, both frozen; the kept uint8 batches may differ by a rounding step.
+``--compare channels_last``: the loop's NHWC models (``channels_last: true``, the default) against
+NCHW, both frozen and eager.
 
     python scripts/bench_synthesis_step.py --precision bf16 --threads 2 --steps 5 --repeats 5 [--compile]
     python scripts/bench_synthesis_step.py --compare compile --precision fp32 --threads 2
@@ -34,7 +36,7 @@ from hetfl.methods.dense import DenseRecipe
 from hetfl.models import build_model
 
 
-def distiller(args: argparse.Namespace, out: Path, compile_guide: bool) -> DataFreeDistiller:
+def distiller(args: argparse.Namespace, out: Path, compile_guide: bool, nhwc: bool) -> DataFreeDistiller:
     torch.manual_seed(0)
     teachers = [build_model("cnn2", 1, 28, 10) for _ in range(args.teachers)]
     ctx = ServerContext(seed=0, num_classes=10, shape=(1, 28, 28), num_clients=args.teachers,
@@ -42,7 +44,7 @@ def distiller(args: argparse.Namespace, out: Path, compile_guide: bool) -> DataF
                         device=torch.device(args.device), out_dir=out, evaluate=lambda model: {"accuracy": 0.0},
                         log=lambda *a, **k: None, progress=lambda it, **k: it, pooled_train_data=lambda: None)
     cfg = DataFreeConfig(epochs=1, generator_steps=args.steps, batch_size=args.batch, precision=args.precision,
-                         compile=compile_guide)
+                         compile=compile_guide, channels_last=nhwc)
     return DataFreeDistiller(teachers, build_model("cnn2", 1, 28, 10), DenseRecipe(), cfg, ctx, "dense")
 
 
@@ -57,16 +59,17 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--compile", action="store_true",
                     help="with --compare frozen: both ways with the loop's compile: true")
-    ap.add_argument("--compare", default="frozen", choices=["frozen", "compile"])
+    ap.add_argument("--compare", default="frozen", choices=["frozen", "compile", "channels_last"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     unfrozen = lambda model: contextlib.nullcontext()  # noqa: E731
-    if args.compare == "frozen":  # name: (how the student is held during G's steps, compile)
-        ways = {"unfrozen": (unfrozen, args.compile), "frozen": (weights_frozen, args.compile)}
-    else:
-        ways = {"eager": (weights_frozen, False), "compiled": (weights_frozen, True)}
+    # name: (how the student is held during G's steps, compile, channels_last); the second way is the new one
+    ways = {"frozen": {"unfrozen": (unfrozen, args.compile, True), "frozen": (weights_frozen, args.compile, True)},
+            "compile": {"eager": (weights_frozen, False, True), "compiled": (weights_frozen, True, True)},
+            "channels_last": {"nchw": (weights_frozen, False, False), "nhwc": (weights_frozen, False, True)},
+            }[args.compare]
     with tempfile.TemporaryDirectory() as tmp:
-        engines = {name: distiller(args, Path(tmp) / name, way[1]) for name, way in ways.items()}
+        engines = {name: distiller(args, Path(tmp) / name, *way[1:]) for name, way in ways.items()}
         kept = {}
         for name, engine in engines.items():  # warm-up round; the same epoch seed gives the same batches
             datafree.weights_frozen = ways[name][0]
