@@ -1796,6 +1796,31 @@ def test_merge_methods_adds_results_run_elsewhere_on_the_same_uploads_only(tmp_p
     assert json.loads(archived.read_text()) == merged
 
 
+def test_merged_methods_count_in_the_cell_minutes_only_when_timed_on_the_cells_machine(tmp_path):
+    from hetfl.reproduce.common import cell_minutes, merge_methods
+
+    cfg = {"dataset": "fmnist", "seed": 0, "clients": 5, "partition": {"kind": "dirichlet", "alpha": 0.1},
+           "client": {"model": "cnn2"}, "server": {"model": "cnn2"}, "methods": {"fedavg": {}}}
+    here = {"device": "cpu", "cpu": "AMD EPYC", "cpu_capability": "AVX2", "threads": 1}
+    result = {"accuracy": 40.0, "best_accuracy": 40.0, "uploads_sha256": "ab", "seconds": 0.1}
+    archived = tmp_path / "cell.json"
+    archived.write_text(json.dumps({"config": cfg, "results": {"fedavg": result}, "environment": here,
+                                    "minutes": 20.0, "prior_minutes": 4.0}))
+    run = {"config": {**cfg, "methods": {"dense": {}, "ot": {}}}, "environment": {**here, "threads": 2},
+           "minutes": 60.0,  # the run's own clients' job included: not the merged methods' time
+           "results": {"dense": {**result, "seconds": 1200.0}, "ot": {**result, "seconds": 6.0}}}
+    merge_methods(archived, run, ["dense", "ot"])
+    assert cell_minutes(json.loads(archived.read_text())) == pytest.approx(24.0 + 20.0 + 0.1)
+    rerun = {**run, "results": {"dense": {**result, "accuracy": 41.0, "seconds": 1500.0}}}
+    merge_methods(archived, rerun, ["dense"])  # a replaced result's time is in the cell already
+    assert cell_minutes(json.loads(archived.read_text())) == pytest.approx(44.1)
+    gpu = {**run, "environment": {"device": "cuda", "accelerator": "NVIDIA H200"},
+           "results": {"coboosting": {**result, "seconds": 300.0}}}
+    merge_methods(archived, gpu, ["coboosting"])  # timed on another machine: in its own result only
+    merged = json.loads(archived.read_text())
+    assert cell_minutes(merged) == pytest.approx(44.1) and merged["results"]["coboosting"]["seconds"] == 300.0
+
+
 def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     from hetfl.cli import main
     from hetfl.reproduce.common import archive_run, cell_label

@@ -162,7 +162,11 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
     under like settings; a hand-written ``note`` should say where it ran.
     A result the merge replaces is kept, with its config and curve, in the cell's ``replaced``
     (``{method: [{"result": ..., "config": ..., "curve": ...}, ...]}``, oldest first), so a re-run after
-    a change of defaults (:data:`CHANGED_DEFAULTS`) can be read beside the run it replaced."""
+    a change of defaults (:data:`CHANGED_DEFAULTS`) can be read beside the run it replaced.
+    A method new to the cell that ran on the cell's machine (:func:`machine_label`) adds its server
+    ``seconds`` to the cell's ``merged_minutes``, which :func:`cell_minutes` counts, so that the report's
+    minutes per cell cover every method; a replaced result's time is in the cell already, and a run on
+    another machine is timed in its own result only."""
     archived = json.loads(archived_file.read_text())
     methods = list(methods)
     missing = [m for m in methods if m not in summary["results"]]
@@ -178,10 +182,13 @@ def merge_methods(archived_file: Path, summary: dict[str, Any], methods: Iterabl
         if ours is not None and not same_method_config(m, theirs, ours):
             raise ValueError(f"{archived_file.name}: {m} ran with {theirs}, the archived cell with {ours}")
     env = summary.get("environment")
+    same_machine = machine_label(summary) == machine_label(archived)
     for m in methods:
         result = summary["results"][m]
         if env and env != archived.get("environment") and "environment" not in result:
             result = {**result, "environment": env}  # timed elsewhere: its timings name their own host
+        if m not in archived["results"] and same_machine and result.get("seconds"):
+            archived["merged_minutes"] = archived.get("merged_minutes", 0.0) + result["seconds"] / 60
         if m in archived["results"] and archived["results"][m] != result:
             earlier = {"result": archived["results"][m], "config": archived["config"]["methods"].get(m, {})}
             if m in archived.get("curves", {}):
@@ -761,8 +768,10 @@ def failure_note(cells: list[dict[str, Any]]) -> str:
 
 
 def cell_minutes(summary: dict[str, Any]) -> float:
-    """Wall minutes spent on a cell over all its runs (methods added later carry ``prior_minutes``)."""
-    return summary.get("minutes", 0.0) + summary.get("prior_minutes", 0.0)
+    """Wall minutes spent on a cell over all its runs (methods added later carry ``prior_minutes``), with
+    the server minutes of methods merged in from runs on the same machine (``merged_minutes``,
+    :func:`merge_methods`)."""
+    return summary.get("minutes", 0.0) + summary.get("prior_minutes", 0.0) + summary.get("merged_minutes", 0.0)
 
 
 def machine_label(summary: dict[str, Any]) -> str:
