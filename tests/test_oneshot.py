@@ -979,3 +979,66 @@ def test_feddf_resumes_an_interrupted_distillation_to_the_same_students(tmp_path
         assert [x["step"] for x in rows if "accuracy" in x and x["step"] > 0] == [5, 10, 15, 20]
         assert not list((tmp_path / name / "feddf").glob("*checkpoint*")) and not list(
             (tmp_path / name / "feddf").glob("teacher-logits*"))
+
+
+def test_strat_precision_bf16_puts_only_the_generators_in_bf16_and_keeps_u_close():
+    """``strat_precision: bf16``: the teacher sees fp32 images and the CE stays float64, so the loss
+    trajectories stay close to fp32's (a bias would shift them all one way); fp32 is the default."""
+    from hetfl.methods import fedhydra as fh
+
+    teachers = _teachers(classes=4, clients=2, epochs=2)
+    seen: list[torch.dtype] = []
+    hook = teachers[0].features[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    kw = dict(num_classes=4, shape=(1, 16, 16), steps=6, batch=8, lr=1e-3, nz=16, seed=3, device=CPU)
+    L32 = fh.stratify_losses(teachers, **kw)
+    L16 = fh.stratify_losses(teachers, **kw, precision="bf16")
+    hook.remove()
+    assert L32.dtype == L16.dtype == torch.float64 and L16.shape == L32.shape == (4, 2, 6)
+    assert seen and set(seen) == {torch.float32}  # the teacher's input is fp32 in both
+    assert not torch.equal(L16, L32)  # the generators did run in bf16
+    assert torch.allclose(L16[..., 0], L32[..., 0], rtol=0.05)  # the same untrained generators: rounding only
+    log_ratio = torch.log(L16 / L32)  # later steps drift apart (losses span 1e-6..1e2 here), but not one way
+    assert float(log_ratio.abs().median()) < 0.2 and abs(float(log_ratio.mean())) < 0.2
+    assert torch.equal(fh.stratify_losses(teachers, **kw, precision="fp32"), L32)  # fp32: as before
+
+
+def test_strat_precision_is_checked_and_stays_out_of_older_keys_at_fp32(tmp_path):
+    import hetfl.methods  # noqa: F401
+    from hetfl.fl.datafree import config_key
+    from hetfl.fl.method import create_method
+    from hetfl.fl.payload import Payload
+
+    ctx = type("Ctx", (), {"device": CPU})()
+    with pytest.raises(ValueError, match="fedhydra: strat_precision must be fp32 or bf16"):
+        create_method("fedhydra", {"strat_precision": "fp16"}).check(ctx)
+    uploads = {0: Payload(meta={"client_id": 0}, tensors={})}
+    method = create_method("fedhydra", {"epochs": 3})
+    assert method.params["strat_precision"] == "fp32"
+    older = {k: v for k, v in method.params.items() if k != "strat_precision"}  # a checkpoint from before the key
+    assert method.checkpoint_key(uploads) == config_key(method.config, method="fedhydra", params=older, uploads=[0])
+    bf16 = create_method("fedhydra", {"epochs": 3, "strat_precision": "bf16"})
+    assert json.loads(bf16.checkpoint_key(uploads))["params"]["strat_precision"] == "bf16"
+
+
+def test_compile_evaluates_the_student_through_torch_compile_with_the_eager_logits(tmp_path):
+    """With ``compile`` the per-epoch test pass goes through a compiled view of the student (the same
+    parameters, eval mode): its logits equal eager ones up to float summation order, and the student
+    trains on between evaluations without recompiling into another model."""
+    engine = _distiller(tmp_path, compile=True, generator_steps=2, batch_size=16, epochs=2)
+    x = torch.rand(32, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    seen = []
+
+    def evaluate(model):
+        model.eval()
+        with torch.no_grad():
+            seen.append((model, model(x), engine.student(x)))
+        return {"accuracy": 0.0}
+
+    engine.ctx.evaluate = evaluate
+    engine.epoch(1)
+    engine.epoch(2)
+    assert len(seen) == 2
+    assert all(model is not engine.student and model._orig_mod is engine.student for model, _, _ in seen)
+    for _, compiled, eager in seen:
+        assert torch.allclose(compiled, eager, atol=1e-5)
+    assert not torch.allclose(seen[0][2], seen[1][2])  # the student learnt between the two passes

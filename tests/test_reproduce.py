@@ -113,24 +113,26 @@ def test_ablation_table_takes_the_paper_row_from_the_main_cell_of_the_same_seeds
     assert "not run | 84.61" in rows["| 0.5 | 1 |"] and "not run | 76.72" in rows["| 0.5 | 1 |"]
 
 
-def test_ablation_in_denses_loop_runs_all_six_rows_and_reports_its_own_table(tmp_path):
+@pytest.mark.parametrize("method", ["fedhydra_dense", "fedhydra_dense_log1p"])
+def test_ablation_in_denses_loop_runs_all_six_rows_and_reports_its_own_table(tmp_path, method):
     cells = paper.grid(["mnist"], [], [0], "reduced", paper.METHODS, [5], ablation=True,
-                       ablation_method="fedhydra_dense")
+                       ablation_method=method)
     assert len(cells) == len(paper.ABLATION) and len({c["name"] for c in cells}) == len(cells)
     for cfg in cells:
-        assert list(cfg["methods"]) == ["ensemble", "fedhydra_dense"] and cfg["name"].endswith("-reduced")
-        assert "lambda_bn" in cfg["methods"]["fedhydra_dense"] and "-fedhydra_dense-" in cfg["name"]
+        assert list(cfg["methods"]) == ["ensemble", method] and cfg["name"].endswith("-reduced")
+        assert "lambda_bn" in cfg["methods"][method] and f"-{method}-" in cfg["name"]
         validate(cfg)
     with pytest.raises(ValueError, match="the Table 6 ablation runs one of"):
         paper.grid(["mnist"], [], [0], "reduced", paper.METHODS, [5], ablation=True, ablation_method="dense")
     base = dict.fromkeys(("ensemble", *paper.METHODS), 40.0)
-    fake_summary(tmp_path, "mnist", "0.5", 0, {**base, "fedhydra": 70.0, "fedhydra_dense": 99.0})
+    fake_summary(tmp_path, "mnist", "0.5", 0, {**base, "fedhydra": 70.0, method: 99.0})
     for cfg, acc in zip(cells[:2], (30.0, 20.0)):  # rows (1, 1) and (0.5, 1)
         (tmp_path / cfg["name"]).mkdir()
         (tmp_path / cfg["name"] / "summary.json").write_text(json.dumps(
-            {"config": cfg, "results": {"fedhydra_dense": {"accuracy": acc - 5, "best_accuracy": acc}}}))
+            {"config": cfg, "results": {method: {"accuracy": acc - 5, "best_accuracy": acc}}}))
     text = paper.report(tmp_path, "reduced")
-    assert "### Table 6 ablation (`fedhydra_dense`, ours: FedHydra in DENSE's loop" in text
+    assert f"### Table 6 ablation (`{method}`, ours: FedHydra in DENSE's loop" in text
+    assert text.count("### Table 6 ablation") == 1  # only the method that ran has a table
     assert "### Table 6 ablation (FedHydra," not in text  # no fedhydra ablation cells: no such table
     lines = text.splitlines()
     assert "30.00 (25.00) n=1 | 88.75" in next(x for x in lines if x.startswith("| 1 | 1 |"))  # its own cell

@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "fedmho's Table 8 (R_th sweep)")
     rep.add_argument("--ablation-method", default="fedhydra",
                      help="fedhydra: which method Table 6 runs (fedhydra = the paper's loop, fedhydra_dense = "
-                          "FedHydra in DENSE's loop, as the authors' code)")
+                          "FedHydra in DENSE's loop, as the authors' code, fedhydra_dense_log1p = that loop "
+                          "with log1p(U), the summary's ours)")
     rep.add_argument("--curve", action="store_true", help="fedmho: also Fig. 6 (accuracy per server epoch)")
     rep.add_argument("--filter-probe", action="store_true",
                      help="fedmho: run no cell; instead measure what the K-means filter keeps and drops on the Table 4 "

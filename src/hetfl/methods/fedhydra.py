@@ -16,8 +16,16 @@ Paper: "A Unified Solution to Diverse Heterogeneities in One-Shot Federated Lear
   stage by its smaller batch (``strat_batch_size`` 64 vs 256, and m*c = 50 runs vs T_g = 200:
   6.25 % of the generator steps x images). With ``channels_last`` (the loop's default) the teachers
   are put in NHWC before stratification, as the loop puts them after it: 1.2x on the stage on an AMX
-  Xeon (47.7 against 57.6 s per client in fp32), U within 3 % (float summation order). bf16 was
-  measured and not offered: it halved U's entries on random teachers (a bias, not noise).
+  Xeon (47.7 against 57.6 s per client in fp32), U within 3 % (float summation order). bf16 over
+  the whole step (the teacher too) was measured and not offered: it halved U's entries on random
+  teachers (a bias, not noise). ``strat_precision: bf16`` (default ``fp32``) puts only the
+  generators' forwards under bf16 autocast: the teacher sees fp32 images (bf16's 8-bit mantissa
+  is the resolution of a uint8 image) and the CE of Eq. 1 stays float64. Measured on an AMX Xeon
+  (MNIST Dir(0.5), five cnn2 uploads, the paper's T_G = 30 and batch 64): 2.07x faster (15.5
+  against 32.1 s per client), U's entries 0.9 % apart at the median and 7 % at most, with no
+  direction (mean log-ratio 0.002, sd 0.019; on two random teachers 0.003 and 0.017, where bf16
+  teachers halved U), the same best client for every class, U_r and U_c within 0.015
+  (docs/BENCHMARKS.md).
 * **Stratified aggregation** (Alg. 3, Eq. 8-11): ``P_hat_k = P_k * U_c[:, k]`` and
   ``P[i] = sum_k U_r[y_i, k] * P_hat_k[i]``, one einsum over the (m, b, c) logits.
 * **Data generation** (Eq. 12-16): ``L_gen = CE(P, y) + lambda_1 L_BN + lambda_2 L_AD`` with ``L_BN``
@@ -84,6 +92,7 @@ from torch import nn
 
 from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller, Recipe, kl_div
 from hetfl.fl.method import ServerContext, derive_seed, register
+from hetfl.fl.training import autocast, check_precision
 from hetfl.methods.common import DataFreeMethod
 from hetfl.models.generator import Generator
 
@@ -127,11 +136,12 @@ def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Adam:
 
 
 def train_generators_batched(teacher: nn.Module, gens: list[Generator], z: torch.Tensor, labels: torch.Tensor,
-                             steps: int, lr: float) -> torch.Tensor:
+                             steps: int, lr: float, precision: str = "fp32") -> torch.Tensor:
     """Train ``len(gens)`` generators in lockstep, generator g towards ``labels[g]`` on noise ``z[g]``:
     one graph per step (the generators' outputs stacked), one teacher forward on all g x b images,
     one backward of the summed losses and one Adam step over all parameters. Returns the (g, steps)
-    loss trajectories."""
+    loss trajectories. ``precision: bf16`` runs the generators' forwards under bf16 autocast; the
+    teacher always sees fp32 images and the CE is float64 (``strat_precision``, module docstring)."""
     g, b = z.shape[0], z.shape[1]
     for gen in gens:
         gen.train().to(memory_format=torch.channels_last)
@@ -139,7 +149,10 @@ def train_generators_batched(teacher: nn.Module, gens: list[Generator], z: torch
     y = labels.repeat_interleave(b)
     history = []
     for _ in range(steps):
-        x = torch.stack([gen(z[i]) for i, gen in enumerate(gens)])  # (g, b, C, H, W)
+        with autocast(z.device, precision):
+            x = torch.stack([gen(z[i]) for i, gen in enumerate(gens)])  # (g, b, C, H, W)
+        if precision != "fp32":  # the teacher in fp32 whatever the generators ran in
+            x = x.float()
         logits = teacher(x.flatten(0, 1)).double()  # float64 CE: no underflow to 0 for confident teachers
         per_gen = F.cross_entropy(logits, y, reduction="none").reshape(g, b).mean(dim=1)
         opt.zero_grad(set_to_none=True)
@@ -150,9 +163,11 @@ def train_generators_batched(teacher: nn.Module, gens: list[Generator], z: torch
 
 
 def stratify(teachers: list[nn.Module], num_classes: int, shape: tuple[int, int, int], steps: int,
-             batch: int, lr: float, nz: int, seed: int, device: torch.device, progress: Any = None) -> torch.Tensor:
+             batch: int, lr: float, nz: int, seed: int, device: torch.device, progress: Any = None,
+             precision: str = "fp32") -> torch.Tensor:
     """Alg. 2, batched over classes: the c x m matrix U of Eq. 3."""
-    return guidance(stratify_losses(teachers, num_classes, shape, steps, batch, lr, nz, seed, device, progress))
+    return guidance(stratify_losses(teachers, num_classes, shape, steps, batch, lr, nz, seed, device, progress,
+                                    precision))
 
 
 def saturate(U: torch.Tensor, L_min: torch.Tensor, threshold: float = SATURATED_CE) -> torch.Tensor:
@@ -164,7 +179,7 @@ def saturate(U: torch.Tensor, L_min: torch.Tensor, threshold: float = SATURATED_
 
 def stratify_losses(teachers: list[nn.Module], num_classes: int, shape: tuple[int, int, int], steps: int,
                     batch: int, lr: float, nz: int, seed: int, device: torch.device,
-                    progress: Any = None) -> torch.Tensor:
+                    progress: Any = None, precision: str = "fp32") -> torch.Tensor:
     """Alg. 2, batched over classes: the (c, m, T_G) CE trajectories L_kj (Eq. 1)."""
     columns = []
     clients = range(len(teachers)) if progress is None else progress(range(len(teachers)),
@@ -173,7 +188,7 @@ def stratify_losses(teachers: list[nn.Module], num_classes: int, shape: tuple[in
         teacher = teachers[k].eval()
         gens, z = _strat_inputs(seed, k, num_classes, batch, nz, shape, device)
         labels = torch.arange(num_classes, device=device)
-        columns.append(train_generators_batched(teacher, gens, z, labels, steps, lr))  # (c, T_G)
+        columns.append(train_generators_batched(teacher, gens, z, labels, steps, lr, precision))  # (c, T_G)
     return torch.stack(columns, dim=1)  # (c, m, T_G)
 
 
@@ -249,7 +264,8 @@ class FedHydra(DataFreeMethod):
                                        "u_transform": "none", "aggregation": "stratified",
                                        "reset_generator": False, "column_scale": "sum", "adv_mask": "none",
                                        "keep": "all", "optimize_z": False, "saturated": "eq2",
-                                       "u_transform_on": "both"}
+                                       "u_transform_on": "both", "strat_precision": "fp32"}
+    later_params: dict[str, Any] = {"strat_precision": "fp32"}  # added after checkpoints: their key lacks it
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
@@ -273,6 +289,7 @@ class FedHydra(DataFreeMethod):
         if self.params["saturated"] not in ("eq2", "max"):
             raise ValueError("fedhydra: saturated must be 'eq2' (Eq. 2 as written) or 'max', "
                              f"got {self.params['saturated']!r}")
+        check_precision(self.params["strat_precision"], "fedhydra: strat_precision")
         if self.params["keep"] not in ("all", "best"):
             raise ValueError(f"fedhydra: keep must be 'all' or 'best', got {self.params['keep']!r}")
         if self.params["optimize_z"] and not self.params["reset_generator"]:
@@ -283,6 +300,8 @@ class FedHydra(DataFreeMethod):
         path = ctx.out_dir / "stratification.json"
         key = {"seed": ctx.seed, "steps": cfg.generator_steps, "batch": self.params["strat_batch_size"],
                "lr": cfg.generator_lr, "nz": cfg.nz, "archs": ctx.client_archs}
+        if self.params["strat_precision"] != "fp32":  # fp32 files, written before the key, stay valid
+            key["precision"] = self.params["strat_precision"]
         saved = json.loads(path.read_text()) if ctx.resume and path.is_file() else {}
         if saved.get("key") == key and "L_min" in saved:
             U, L_min = (torch.tensor(saved[n], dtype=torch.float64) for n in ("U", "L_min"))
@@ -295,7 +314,7 @@ class FedHydra(DataFreeMethod):
                 teachers = [t.to(memory_format=torch.channels_last) for t in teachers]
             L = stratify_losses(teachers, ctx.num_classes, ctx.shape, cfg.generator_steps,
                                 self.params["strat_batch_size"], cfg.generator_lr, cfg.nz, ctx.seed, ctx.device,
-                                ctx.progress).cpu()
+                                ctx.progress, self.params["strat_precision"]).cpu()
             U, L_min = guidance(L), L.amin(dim=-1)
             ctx.record["stratification_seconds"] = time.perf_counter() - start
         used = saturate(U, L_min) if self.params["saturated"] == "max" else U
