@@ -894,6 +894,33 @@ def test_bf16_distillation_steps_the_student_close_to_fp32(tmp_path):
     assert torch.allclose(kd["bf16"][1], kd["fp32"][1], atol=0.05)
 
 
+def test_bf16_distillation_also_runs_coboostings_ods_teachers_in_bf16(tmp_path):
+    """With ``distill_precision: bf16`` Co-Boosting's ODS passes through the teachers run in bf16
+    (their convolutions' outputs are bf16), and give fp32 logits and images close to fp32's: each
+    pixel moves by at most eta, and the teachers' logits on the perturbed images agree to bf16's
+    precision; with fp32 they stay fp32."""
+    from hetfl.methods.coboosting import CoBoosting, CoBoostingRecipe
+
+    x8 = torch.randint(0, 256, (32, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    y = torch.arange(32) % 10
+    params = CoBoosting.method_defaults
+    out = {}
+    for precision in ("fp32", "bf16"):
+        engine = _distiller(tmp_path / precision, distill_precision=precision)
+        engine.recipe = CoBoostingRecipe(2, CPU, params, seed=0)
+        dtypes: list[torch.dtype] = []
+        hook = engine.teachers[0].features[0].register_forward_hook(
+            lambda m, i, o, seen=dtypes: seen.append(o.dtype))
+        x_ods, P = engine.recipe.kd_batch(engine, (x8, y, torch.zeros(2, 32, 10)))
+        hook.remove()
+        assert dtypes == [torch.bfloat16 if precision == "bf16" else torch.float32] * 2
+        assert x_ods.dtype == P.dtype == torch.float32 and P.shape == (32, 10)
+        assert float((x_ods - x8.float() / 255).abs().max()) <= params["ods_eta"] + 1e-6
+        out[precision] = (x_ods, P)
+    assert float((out["bf16"][0] == out["fp32"][0]).float().mean()) > 0.8  # the same ODS step for most pixels
+    assert torch.allclose(out["bf16"][1], out["fp32"][1], rtol=0.05, atol=0.05)
+
+
 def test_compiled_generator_step_keeps_the_eager_batches(tmp_path):
     """``compile`` runs the teachers', student's and BN hooks' part of each generator step through
     torch.compile: the same synthetic batches and client logits as eager mode, up to float

@@ -31,7 +31,8 @@ layout). bf16 autocast (``precision``) measured no faster there, but 1.6x faster
 stage of an AMD EPYC with avx512_bf16, with best-over-epochs accuracy within a point of fp32 on the
 same uploads (docs/results/fedhydra.md, section "Precision"); fp32 stays the default.
 ``distill_precision: bf16`` autocasts the student's forward in the KD steps as well (fp32 weights and
-loss; 1.5x per KD step at batch 256 on an AMX Xeon). ``compile: true`` runs the part of each generator
+loss; 1.5x per KD step at batch 256 on an AMX Xeon), and Co-Boosting's ODS passes through the teachers.
+``compile: true`` runs the part of each generator
 step after G (:meth:`DataFreeDistiller.guide`: the teachers with their BN hooks, the aggregate, the
 student) through ``torch.compile``, which fuses the memory-bound BatchNorm, ReLU, pooling and
 statistics passes around oneDNN's convolutions, forward and backward: the same values up to float
@@ -192,7 +193,7 @@ class DataFreeConfig:
     pool_shuffle: bool = False  # KD batches drawn afresh each epoch from the samples of the batches distilled
     precision: str = "fp32"  # fp32 | bf16 autocast for the generator, teacher and student forwards of synthesis
     channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
-    distill_precision: str = "fp32"  # fp32 | bf16 autocast for the student's forward in the KD steps
+    distill_precision: str = "fp32"  # fp32 | bf16 autocast for the KD forwards (student, Co-Boosting's ODS teachers)
     compile: bool = False  # torch.compile the generator step's teacher and student forwards (guide) and the test pass
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
     grad_clip: float = 0.0  # clip the student's gradient norm in each KD step (0: off; Co-Boosting's code: 10)
