@@ -32,13 +32,13 @@ stage of an AMD EPYC with avx512_bf16, with best-over-epochs accuracy within a p
 same uploads (docs/results/fedhydra.md, section "Precision"); fp32 stays the default.
 ``distill_precision: bf16`` autocasts the student's forward in the KD steps as well (fp32 weights and
 loss; 1.5x per KD step at batch 256 on an AMX Xeon), and Co-Boosting's ODS passes through the teachers.
-``compile: true`` runs the part of each generator
-step after G (:meth:`DataFreeDistiller.guide`: the teachers with their BN hooks, the aggregate, the
-student) through ``torch.compile``, which fuses the memory-bound BatchNorm, ReLU, pooling and
-statistics passes around oneDNN's convolutions, forward and backward: the same values up to float
-summation order, about 30 s of compilation at the first step, and 8-14 % less per generator step at
-the paper's batch on that Xeon in bf16 (the teachers' part alone 260 -> 198 ms). G itself stays eager:
-compiling it was measured no faster (docs/BENCHMARKS.md). Both are off by default.
+``compile: true`` runs the part of each generator step after G (:meth:`DataFreeDistiller.guide`: the
+teachers with their BN hooks, the aggregate, the student) through ``torch.compile``, which fuses the
+memory-bound BatchNorm, ReLU, pooling and statistics passes around oneDNN's convolutions, forward and
+backward: the same values up to float summation order, about 30 s of compilation at the first step, and
+8-14 % less per generator step at the paper's batch on that Xeon in bf16 (the teachers' part alone 260
+-> 198 ms). G itself stays eager: compiling it was measured no faster (docs/BENCHMARKS.md). Both are off
+by default.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ On the shared loop (:mod:`hetfl.fl.datafree`), with the facts of the public impl
   SGD lr 0.01, momentum 0.9, weight decay 1e-4, cosine schedule; batch 128.
 
 ``distill_precision: bf16`` (off by default) autocasts the ODS passes through the teachers as well
-as the student's forward: with cnn2 teachers those passes are about 70 % of a KD step's time (90 of
-127 ms at batch 128 on a 2-vCPU EPYC with avx512_bf16, 49 in bf16; docs/BENCHMARKS.md). The
+as the student's forward: with cnn2 teachers those two passes are about 87 % of a fp32 KD step's time
+(118 ms per step at batch 128 on a 2-vCPU EPYC with avx512_bf16, 72 in bf16;
+``scripts/bench_coboosting_kd.py``, docs/BENCHMARKS.md). The
 teachers' logits are cast back to fp32 and the images stay fp32, so the ODS step and the KD loss are
 computed in fp32; only the signs of gradient entries near zero may differ.
 
@@ -84,17 +85,19 @@ class CoBoostingRecipe(Recipe):
         g = torch.Generator().manual_seed(derive_seed(self.seed, "ods", self.kd_calls))
         self.kd_calls += 1
         r = (torch.rand(x.shape[0], engine.ctx.num_classes, generator=g) * 2 - 1).to(x.device)
-        precision = engine.cfg.distill_precision  # bf16: the teachers' passes too (2/3 of a KD step's time)
-        with autocast(engine.ctx.device, precision):
-            logits = engine.teacher_logits(x)  # fp32 (cast back), so the aggregate is fp32
-        P = self.aggregate(logits, y)
+        P = self.aggregate(self._teacher_logits(engine, x), y)
         (grad,) = torch.autograd.grad((r * F.softmax(P / 4.0, dim=1)).sum(), x)
         with torch.no_grad():
             x_ods = (x + self.p["ods_eta"] * grad.sign()).clamp_(0, 1)
-            with autocast(engine.ctx.device, precision):
-                logits = engine.teacher_logits(x_ods)
-            P_ods = self.aggregate(logits, y)
+            P_ods = self.aggregate(self._teacher_logits(engine, x_ods), y)
         return x_ods, P_ods
+
+    @staticmethod
+    def _teacher_logits(engine: DataFreeDistiller, x: torch.Tensor) -> torch.Tensor:
+        """The teachers' logits under ``distill_precision`` (in fp32 about 87 % of a KD step's
+        time is in these passes), cast back to fp32, so the aggregate, the ODS step and the loss stay fp32."""
+        with autocast(engine.ctx.device, engine.cfg.distill_precision):
+            return engine.teacher_logits(x)
 
     def on_epoch_end(self, engine: DataFreeDistiller, epoch: int) -> None:
         if epoch <= 1:
