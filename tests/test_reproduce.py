@@ -1690,6 +1690,46 @@ def test_curve_runs_report_finds_best_final_and_collapsed_epochs(tmp_path):
         curve_run_rows(folder, [{"cell": "c", "method": "dense", "run": "r", "file": "b.jsonl"}])
 
 
+def test_twin_table_compares_a_run_with_its_twin_over_the_common_epochs(tmp_path):
+    """A bf16 probe beside its stopped fp32 twin: both are cut to the epochs both evaluated; best (first
+    epoch), mean, last quarter and last value per side, and Δ of the means; bad twins are refused."""
+    from hetfl.reproduce.fedhydra import curve_run_rows, curve_runs_report, twin_rows
+
+    folder = tmp_path / "paper-server-curves"
+    folder.mkdir()
+
+    def log(name: str, accs: list[float], method: str = "coboosting") -> None:
+        (folder / name).write_text("".join(json.dumps({"method": method, "step": i, "accuracy": a}) + "\n"
+                                           for i, a in enumerate(accs, 1)))
+
+    log("bf16.jsonl", [20.0, 40.0, 30.0, 30.0, 10.0, 99.0])  # epoch 6 is past the twin's last epoch
+    log("fp32.jsonl", [30.0, 30.0, 50.0, 30.0, 20.0])
+    log("dense.jsonl", [1.0, 2.0], method="dense")
+    runs = [{"cell": "mnist-2cc-s0, H200", "method": "coboosting", "run": "fp32 (stopped)", "file": "fp32.jsonl"},
+            {"cell": "mnist-2cc-s0, H200", "method": "coboosting", "run": "bf16", "file": "bf16.jsonl",
+             "twin": "fp32.jsonl"},
+            {"cell": "mnist-2cc-s0, H200", "method": "dense", "run": "d", "file": "dense.jsonl"}]
+    (t,) = twin_rows(curve_run_rows(folder, runs))
+    assert (t["file"], t["twin_file"], t["common"], t["last_epoch"]) == ("bf16.jsonl", "fp32.jsonl", 5, 5)
+    assert t["run"] == {"best": 40.0, "best_epoch": 2, "mean": 26.0, "tail": 10.0, "last": 10.0}
+    assert t["twin"] == {"best": 50.0, "best_epoch": 3, "mean": 32.0, "tail": 20.0, "last": 20.0}
+    assert t["delta"] == pytest.approx(-6.0)
+    (folder / "runs.json").write_text(json.dumps({"about": "", "runs": runs}))
+    body = curve_runs_report(folder, tmp_path / "r.md")
+    assert ("| mnist-2cc-s0, H200 | Co-Boosting | `bf16.jsonl` | `fp32.jsonl` | 5 (to 5) | 40.00 (2) / 50.00 (3) | "
+            "26.00 / 32.00 | -6.00 | 10.00 / 20.00 | 10.00 / 20.00 |") in body
+    for twin, match in (("nope.jsonl", "not another run listed"), ("bf16.jsonl", "not another run listed"),
+                        ("dense.jsonl", "ran dense, not coboosting")):
+        bad = [*runs[:1], {**runs[1], "twin": twin}, runs[2]]
+        with pytest.raises(ValueError, match=match):
+            twin_rows(curve_run_rows(folder, bad))
+    log("late.jsonl", [])
+    (folder / "late.jsonl").write_text(json.dumps({"method": "coboosting", "step": 9, "accuracy": 1.0}) + "\n")
+    late = [*runs[:1], {**runs[1], "file": "late.jsonl"}]
+    with pytest.raises(ValueError, match="no epoch evaluated in both"):
+        twin_rows(curve_run_rows(folder, late))
+
+
 def test_curve_runs_figure_lays_out_many_long_legends_without_warnings(tmp_path):
     """Rows of one short legend, then rows of a dozen long-labelled runs per panel (as the archive has):
     the figure is laid out (tight_layout warned "not applied" here and let the legends run over the next
@@ -1921,6 +1961,20 @@ def test_archive_run_keeps_a_curve_and_merges_only_when_asked(tmp_path, capsys):
     (out / "both.jsonl").unlink()
     with pytest.raises(ValueError, match="a device trial needs both"):
         archive_run(archive, out / "both.summary.json", "fedhydra", "x", curve="u.jsonl")
+    # a twin: another listed curve of the same method and cell, else refused before anything is written
+    (out / "both.jsonl").write_text("".join(json.dumps({**r, "accuracy": r["accuracy"] + 2}) + "\n" for r in logged))
+    with pytest.raises(ValueError, match="not a curve listed"):  # old.jsonl is listed but its file is missing
+        archive_run(archive, out / "both.summary.json", "fedhydra", "x", curve="w.jsonl", twin="old.jsonl")
+    (archive / "paper-server-curves" / "old.jsonl").write_text(json.dumps(logged[0]) + "\n")
+    for twin, match in (("none.jsonl", "not a curve listed"),
+                        ("old.jsonl", "is dense of mnist-2cc-s0, H200, not fedhydra of mnist-2cc-s0")):
+        with pytest.raises(ValueError, match=match):
+            archive_run(archive, out / "both.summary.json", "fedhydra", "x", curve="w.jsonl", twin=twin)
+    assert not (archive / "paper-server-curves" / "w.jsonl").exists()
+    assert main(["archive-run", "fedhydra", str(out / "both.summary.json"), "--method", "fedhydra", "--label",
+                 "a probe", "--curve", "w.jsonl", "--twin", "t.jsonl", "--results", str(tmp_path / "fedhydra.md")]) == 0
+    assert json.loads(manifest.read_text())["runs"][-1] == {"cell": "mnist-2cc-s0, H200", "method": "fedhydra",
+                                                            "run": "a probe", "file": "w.jsonl", "twin": "t.jsonl"}
     no_eval = json.dumps({"method": "fedhydra", "step": 1, "kd_loss": 1.0}) + "\n"
     (run / "fedhydra" / "metrics.jsonl").write_text(no_eval)
     with pytest.raises(ValueError, match="no evaluated epoch of fedhydra"):  # a log without an evaluation

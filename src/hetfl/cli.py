@@ -237,7 +237,7 @@ def cmd_archive_run(args: argparse.Namespace) -> int:
 
     results = Path(args.results or f"docs/results/{args.paper}.md")
     entry = archive_run(archive_folder(results), Path(args.run), args.method, args.label, change=args.change,
-                        merge=args.merge, curve=args.curve)
+                        merge=args.merge, curve=args.curve, twin=args.twin)
     merged = " and merged into the archived cell" if args.merge else ""
     print(f"archived {args.method} of {args.run} as {entry['file']} ({entry['cell']}){merged}; rewrite the "
           f"report with `hetfl reproduce {args.paper} --report-only --out <empty folder> --results {results}`")
@@ -458,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     arc.add_argument("--merge", action="store_true", help="also merge the result into the archived cell "
                      "(only a run at the cell's own config; refused otherwise)")
     arc.add_argument("--curve", default=None, help="curve file name (default <cell>-<method>-cpu.jsonl)")
+    arc.add_argument("--twin", default=None, help="the curve file (in runs.json) of the same method on the same "
+                     "uploads with one setting apart, e.g. the fp32 run of a bf16 probe: the report compares them")
     arc.set_defaults(func=cmd_archive_run)
 
     mrg = _archive_parser(sub, "archive-merge", "merge methods re-run in `hetfl reproduce` cells (e.g. after a "

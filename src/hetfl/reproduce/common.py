@@ -304,14 +304,17 @@ def _run_files(run: Path, method: str) -> tuple[Path, Path, Path]:
 
 
 def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change: str | None = None,
-                merge: bool = False, curve: str | None = None) -> dict[str, str]:
+                merge: bool = False, curve: str | None = None, twin: str | None = None) -> dict[str, str]:
     """Keep one ``hetfl run`` of ``method`` (``run_dir``: its summary.json and metrics.jsonl) made on an
     archived cell's uploads (``archive/<config name>.json``): with ``merge`` its result joins the cell
     (:func:`merge_methods`: the budget's own config only); always its curve (that method's lines of
     metrics.jsonl) is copied to ``archive/paper-server-curves/<curve>`` (default
     ``<cell>-<method>-cpu.jsonl``, never overwritten) and listed in that folder's runs.json with
-    ``label`` (``run``) and, for a trial of our variant, ``change``. The runs.json cell is the one its
-    earlier entries of this cell use (they name where the uploads were trained), else the short name.
+    ``label`` (``run``), for a trial of our variant ``change``, and with ``twin`` the curve file of an
+    entry already listed for the same method and cell (before the comma) that ran on the same uploads
+    with one setting apart (e.g. the fp32 run of a bf16 probe: the report sets them side by side).
+    The runs.json cell is the one its earlier entries of this cell use (they name where the uploads
+    were trained), else the short name.
     An earlier entry of the same cell and method whose curve begins this one's (the same run, archived
     when it was stopped) is removed with its file, and the new entry names it as ``replaces``.
     A stopped run (no summary.json yet: its config.json and the epochs ``<method>/metrics.jsonl``
@@ -354,9 +357,17 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     manifest_file = folder / "runs.json"
     manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else {"about": "", "runs": []}
     known = [r["cell"] for r in manifest["runs"] if r["cell"] == short or r["cell"].startswith(short + ",")]
+    if twin is not None:
+        listed = [r for r in manifest["runs"] if r["file"] == twin]
+        if not listed or not (folder / twin).is_file():
+            raise ValueError(f"twin {twin!r}: not a curve listed in {manifest_file}")
+        if listed[0]["method"] != method or listed[0]["cell"].split(",")[0] != short:
+            raise ValueError(f"twin {twin!r} is {listed[0]['method']} of {listed[0]['cell']}, not {method} of {short}")
     entry = {"cell": known[0] if known else short, "method": method, "run": label, "file": target.name}
     if change:
         entry["change"] = change
+    if twin is not None:
+        entry["twin"] = twin
     # the same run archived earlier when it was stopped: its curve is a prefix of this one's
     def begins_this(r: dict[str, str]) -> bool:
         if r["cell"] != entry["cell"] or r["method"] != method or not (folder / r["file"]).is_file():
@@ -367,6 +378,8 @@ def archive_run(archive: Path, run_dir: Path, method: str, label: str, *, change
     older = [r for r in manifest["runs"] if begins_this(r)]
     if older:
         entry["replaces"] = ", ".join(r["file"] for r in older)
+    if twin in {r["file"] for r in older}:
+        raise ValueError(f"twin {twin!r} is an earlier copy of this run (this one replaces it)")
     if merge:
         merge_methods(cell_file, summary, [method], metrics)
     folder.mkdir(parents=True, exist_ok=True)

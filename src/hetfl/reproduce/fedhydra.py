@@ -1129,6 +1129,7 @@ def curve_runs_report(folder: Path, path: Path) -> str:
                      f"{r['best']:.2f} ({r['best_epoch']}) | {r['final']:.2f} | "
                      f"{r['tail'][0]:.2f} ({r['tail'][1]:.2f}) | {r['collapsed']}{first} | {grad} | {dead} | {new} |")
     lines += change_table(rows)
+    lines += twin_table(rows)
     figure = plot_curve_runs(rows, path.with_name(f"{path.stem}-{CURVE_RUNS}.png"))
     return "\n".join(lines) + f"\n\n![{figure.stem}]({figure.name})"
 
@@ -1178,6 +1179,64 @@ def change_table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {c['cell']} | {c['change']} | {c['runs']} | {c['epochs']} | {c['collapsed']} of {c['runs']} | "
                      f"{_spread(c['best'])} | {_spread(c['final'])} | {_spread(c['tail'])} | {c['paper']:.2f} | "
                      f"{c['above']:.1f} |")
+    return lines
+
+
+def twin_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each run of :func:`curve_run_rows` that names a ``twin`` (runs.json: the curve file of the same
+    method on the same uploads and seeds with one setting apart, e.g. its server at fp32 where this run's
+    is in bf16), the two side by side over the epochs both evaluated (``common``, at least one, else
+    ValueError): for each, the best % and its first epoch, the mean, the mean of the last quarter of the
+    common epochs and the value at the last common epoch, and ``delta`` = the run's mean minus the
+    twin's. Its twin must be another listed run of the same method (ValueError naming the problem)."""
+    by_file = {r["file"]: r for r in rows}
+    out = []
+    for r in rows:
+        if not r.get("twin"):
+            continue
+        twin = by_file.get(r["twin"])
+        if twin is None or twin is r:
+            raise ValueError(f"{r['file']}: its twin {r['twin']!r} is not another run listed in runs.json")
+        if twin["method"] != r["method"]:
+            raise ValueError(f"{r['file']}: its twin {r['twin']} ran {twin['method']}, not {r['method']}")
+        mine, theirs = dict(r["curve"]), dict(twin["curve"])
+        common_epochs = sorted(set(mine) & set(theirs))
+        if not common_epochs:
+            raise ValueError(f"{r['file']} and its twin {r['twin']}: no epoch evaluated in both")
+        sides = {}
+        for side, curve in (("run", mine), ("twin", theirs)):
+            accs = [curve[e] for e in common_epochs]
+            best = max(range(len(accs)), key=accs.__getitem__)  # the first epoch at the best
+            sides[side] = {"best": accs[best], "best_epoch": common_epochs[best], "mean": statistics.fmean(accs),
+                           "tail": tail_stats(accs)[0], "last": accs[-1]}
+        out.append({"cell": r["cell"], "method": r["method"], "file": r["file"], "twin_file": twin["file"],
+                    "common": len(common_epochs),
+                    "last_epoch": common_epochs[-1], **sides,
+                    "delta": sides["run"]["mean"] - sides["twin"]["mean"]})
+    return out
+
+
+def twin_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines for :func:`twin_rows`; none if no run names a twin."""
+    table = twin_rows(rows)
+    if not table:
+        return []
+    lines = ["", "### Runs beside their twin (same method, uploads and seeds; one setting apart)", "",
+             "Each run that names a twin in runs.json (the same method on the same archived uploads with the same "
+             "seeds, one setting apart: the run's label says which), the two compared over the epochs both "
+             "evaluated (a stopped twin has fewer): best % (its first epoch), the mean, the mean of the last "
+             "quarter of those epochs and the value at the last of them, run / twin; Δ = the run's mean minus the "
+             "twin's.", "",
+             "| cell | method | run (file) | twin (file) | common epochs | best % (epoch) | mean % | Δ mean "
+             "| last quarter % | at the last common epoch % |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in table:
+        run, twin = t["run"], t["twin"]
+        lines.append(
+            f"| {t['cell']} | {LABELS.get(t['method'], t['method'])} | `{t['file']}` | `{t['twin_file']}` | "
+            f"{t['common']} (to {t['last_epoch']}) | {run['best']:.2f} ({run['best_epoch']}) / "
+            f"{twin['best']:.2f} ({twin['best_epoch']}) | {run['mean']:.2f} / {twin['mean']:.2f} | "
+            f"{t['delta']:+.2f} | {run['tail']:.2f} / {twin['tail']:.2f} | {run['last']:.2f} / {twin['last']:.2f} |")
     return lines
 
 
