@@ -617,9 +617,10 @@ FedAvg, OT and FedDF do not depend on the generator budget (T_g, T_G): on the sa
 their numbers at every budget, so OT and FedDF count in a budget that did not run them where the same
 cell ran them at another budget on the same uploads (sections below), and a budget where only ours ran
 ("none run") is compared with them through the column of another budget. The `paper` columns: the
-paper's budget (local E = 200, T_g = 200, T_G = 30; ours at KD temperature 20) on a lent GPU, n =
-the seeds run there, every method of a cell on its uploads, the best baseline among those run there (section
-"Budget `paper`"); they count neither in the gap nor in the figure. A column "grid `name`" comes from a
+paper's budget (local E = 200, T_g = 200, T_G = 30; ours at KD temperature 20) in fp32, on a lent
+GPU or a 2-core CPU (the notes say which), n = the seeds run there, every method of a cell on its
+uploads, the best baseline among those run there (section "Budget `paper`"); they count neither in
+the gap nor in the figure. A column "grid `name`" comes from a
 later one-cache grid (its own section below): the same settings and seeds, every cell retrained in one
 go on one machine and run with the defaults of its time. A † on ours marks means over runs that took the
 KD batches in pool order (the defaults before the sixty-sixth session; footnote)."""
