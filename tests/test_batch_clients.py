@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from hetfl.config import ConfigError, validate
+from hetfl.config import ConfigError
 from hetfl.data.base import ImageDataset
 from hetfl.engine.simulator import Simulator, config_hash, prepare
 from hetfl.fl.client import ClientEnv, group_key, handle, handle_group, train_message
 from hetfl.fl.training import TrainConfig, clip_per_client, local_train, local_train_group
+from hetfl.methods.checks import validate
 from hetfl.models import build_model
 
 

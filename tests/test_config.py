@@ -1,7 +1,8 @@
 import pytest
 import yaml
 
-from hetfl.config import ConfigError, apply_overrides, client_archs, load_config, validate
+from hetfl.config import ConfigError, apply_overrides, client_archs
+from hetfl.methods.checks import load_config, validate
 
 
 def write(tmp_path, cfg):
@@ -93,3 +94,12 @@ def test_a_device_this_machine_lacks_fails_before_any_data_is_loaded(monkeypatch
         resolve_device("cuda:1")
     with pytest.raises(ConfigError, match="'gpu' is not one of"):
         resolve_device("gpu")
+
+
+def test_a_label_whose_method_is_unknown_fails_with_the_list_of_methods(tiny_config):
+    tiny_config["methods"] = {"mine": {"method": "fedavgg"}}
+    with pytest.raises(ConfigError, match=r"methods.mine: unknown method 'fedavgg'; choose one of: central, "
+                                          r"coboosting, .* \(presets: fedhydra_dense, "):
+        validate(tiny_config)
+    tiny_config["methods"] = {"a": {"method": "dense", "epochs": 2}, "b": {"method": "dense", "epochs": 3}}
+    assert validate(tiny_config)["methods"]["b"] == {"method": "dense", "epochs": 3}

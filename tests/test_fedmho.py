@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetfl.config import ConfigError, validate
+from hetfl.config import ConfigError
 from hetfl.data import make_partition
 from hetfl.data.synthetic import load_synthetic
 from hetfl.engine.simulator import Simulator, prepare
@@ -32,6 +32,7 @@ from hetfl.fl.generative import (
 from hetfl.fl.method import ServerContext, create_method
 from hetfl.fl.payload import Payload
 from hetfl.fl.training import TrainConfig, evaluate
+from hetfl.methods.checks import validate
 from hetfl.methods.fedmho import generative_clients
 from hetfl.models import count_flops
 from hetfl.models.cvae import build_cvae, cvae_flops, sample_latent

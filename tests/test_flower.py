@@ -21,11 +21,11 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from hetfl.cli import main
-from hetfl.config import validate
 from hetfl.engine import flower_app as fa
 from hetfl.engine.flower_local import LocalFederation, live_processes_with_home, run_local
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.payload import Payload, PayloadError
+from hetfl.methods.checks import validate
 
 BASE = {
     "name": "flower-test", "seed": 0, "dataset": "synthetic",

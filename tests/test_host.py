@@ -90,7 +90,7 @@ def test_reproduce_flags_and_its_workers_flush_where_asked(tmp_path):
     import torch
 
     from hetfl.cli import build_parser
-    from hetfl.config import validate
+    from hetfl.methods.checks import validate
     from hetfl.reproduce.common import simulator_flags
     from tests.conftest import TINY_CONFIG
 

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from hetfl.config import validate
 from hetfl.data import make_partition
 from hetfl.data.synthetic import load_synthetic
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.datafree import BNStatsLoss, kl_div
 from hetfl.fl.training import TrainConfig, local_train, predict_logits
+from hetfl.methods.checks import validate
 from hetfl.methods.fedhydra import (
     SATURATED_CE,
     guidance,
@@ -554,9 +554,10 @@ def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path
 def test_fedhydra_dense_runs_fedhydra_in_denses_loop(tmp_path):
     """The authors'-code variant: G and z reset every epoch, one (best) batch kept per epoch, the
     whole pool distilled every epoch, the adversarial KL masked to disagreement."""
-    from hetfl.methods.fedhydra import FedHydra, FedHydraDenseLoop
+    from hetfl.fl.method import create_method
+    from hetfl.methods.fedhydra import FedHydra
 
-    p = FedHydraDenseLoop({}).params
+    p = create_method("fedhydra_dense", {}).params
     assert (p["reset_generator"], p["optimize_z"], p["adv_mask"], p["keep"], p["pool_size"], p["replay"]) == (
         True, True, "disagree", "best", -1, -1)
     for key, bad, message in [("keep", "last", "keep must be 'all' or 'best'"),
@@ -605,13 +606,15 @@ def test_channels_last_changes_the_layout_not_the_result(tmp_path, monkeypatch):
 
 def test_u_transform_is_validated_and_log1p_keeps_the_ordering():
     from hetfl.fl.method import create_method
-    from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra, FedHydraDenseLoop, FedHydraLog1p
+    from hetfl.methods.fedhydra import U_TRANSFORMS, FedHydra
 
     with pytest.raises(ValueError, match="u_transform must be one of"):
         FedHydra({"u_transform": "sqrt"}).check(None)
-    assert FedHydraLog1p({}).params["u_transform"] == "log1p" and FedHydra({}).params["u_transform"] == "none"
+    log1p = create_method("fedhydra_log1p", {})
+    assert log1p.params["u_transform"] == "log1p" and FedHydra({}).params["u_transform"] == "none"
+    assert (log1p.name, log1p.method) == ("fedhydra_log1p", "fedhydra")  # a preset: a label of fedhydra
     dense_log1p = create_method("fedhydra_dense_log1p", {}).params  # DENSE's loop, only U's transform differs
-    assert dense_log1p == {**FedHydraDenseLoop({}).params, "u_transform": "log1p"}
+    assert dense_log1p == {**create_method("fedhydra_dense", {}).params, "u_transform": "log1p"}
     U = torch.tensor([[1.0, 1e5, 3.0], [2e3, 0.5, 10.0]], dtype=torch.float64)
     _, plain = normalise_rows_and_columns(U_TRANSFORMS["none"](U))
     _, compressed = normalise_rows_and_columns(U_TRANSFORMS["log1p"](U))

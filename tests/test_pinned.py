@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from hetfl.config import validate
 from hetfl.engine.simulator import Simulator, prepare
+from hetfl.methods.checks import validate
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo-mnist.yaml"
 PINNED = {"fedavg": 37.5, "ensemble": 33.0, "dense": 23.0}

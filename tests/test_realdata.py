@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hetfl.config import validate
 from hetfl.data import load_dataset, make_partition
 from hetfl.engine.simulator import Simulator, prepare
+from hetfl.methods.checks import validate
 from tests.conftest import DATA_ROOT, has_real_data
 
 pytestmark = pytest.mark.realdata

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hetfl.config import validate
+from hetfl.methods.checks import validate
 from hetfl.reproduce import fedhydra as paper
 
 
@@ -226,8 +226,8 @@ def test_reproduce_device_flag_reaches_every_cell(tmp_path, monkeypatch, which):
     assert seen == ["cuda:1", "cuda:1"]
 
 def test_adding_a_method_to_a_finished_cell_runs_only_that_method(tmp_path, monkeypatch):
-    from hetfl.config import validate
     from hetfl.engine.simulator import Simulator
+    from hetfl.methods.checks import validate
     from hetfl.reproduce.common import run_missing_methods
 
     base = {"name": "cell", "seed": 0, "dataset": "synthetic",
@@ -267,7 +267,7 @@ def test_minutes_note_counts_cached_cells_only_where_the_cell_trained_no_upload(
 
 
 def test_a_cell_run_before_a_schema_key_existed_keeps_its_methods():
-    from hetfl.config import validate
+    from hetfl.methods.checks import validate
     from hetfl.reproduce.common import same_setting
 
     cfg = validate({"name": "cell", "seed": 0, "dataset": "synthetic", "clients": 3,

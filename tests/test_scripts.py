@@ -109,7 +109,7 @@ def test_trials_script_writes_a_cells_config_and_imports_its_archived_uploads(tm
 
 
 def test_device_script_merges_a_worker_that_finished_as_the_deadline_stopped_its_cell(tmp_path, tiny_config):
-    from hetfl.config import validate
+    from hetfl.methods.checks import validate
     from hetfl.reproduce.common import run_missing_methods
 
     cfg = validate({**tiny_config, "device": "cpu", "methods": {"ensemble": {}, "fedavg": {}}})

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from hetfl.cli import main
-from hetfl.config import validate
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.cache import UploadCache, uploads_digest
 from hetfl.fl.payload import Payload
 from hetfl.fl.training import predict_logits
+from hetfl.methods.checks import validate
 from hetfl.models import build_model
 
 
@@ -389,3 +389,24 @@ def test_cpu_bf16_units_read_the_flags_line():
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():  # this machine's own flags, read the same way
         assert cpu_bf16_units() == cpu_bf16_units(cpuinfo.read_text())
+
+
+def test_two_labels_of_one_method_run_and_report_apart(tmp_path, tiny_config):
+    """``methods:`` maps a label to a method and its parameters; the summary is keyed by label."""
+    tiny_config["methods"] = {"a": {"method": "fedavg", "rounds": 1}, "b": {"method": "fedavg", "rounds": 2},
+                              "ensemble": {}}
+    res = run(tiny_config, tmp_path / "run", tmp_path / "cache")["results"]
+    assert list(res) == ["a", "b", "ensemble"]
+    assert [res[k]["method"] for k in res] == ["fedavg", "fedavg", "ensemble"]
+    assert (res["a"]["params"]["rounds"], res["b"]["params"]["rounds"]) == (1, 2)
+    assert (tmp_path / "run" / "a" / "a.safetensors").is_file() and (tmp_path / "run" / "b").is_dir()
+
+
+def test_a_preset_is_a_label_of_its_method_with_overrides_on_top():
+    from hetfl.fl.method import PRESETS, create_method
+
+    assert {"fedhydra_dense_log1p", "fedmho_md_klmean"} <= set(PRESETS)
+    ours = create_method("ours", {"method": "fedhydra_dense_log1p", "epochs": 3})
+    assert (ours.name, ours.method) == ("ours", "fedhydra")
+    assert ours.params["u_transform"] == "log1p" and ours.params["epochs"] == 3
+    assert create_method("fedhydra_dense_log1p", {}).params == {**ours.params, "epochs": ours.defaults["epochs"]}

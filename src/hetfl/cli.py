@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hetfl.config import ConfigError, check_device, load_config
+from hetfl.config import ConfigError, check_device
 from hetfl.data import DATASET_NAMES, PARTITION_KINDS, DataFormatError, PartitionError
 from hetfl.data.fetch import FetchError, fetch
 from hetfl.fl.payload import PayloadError
 from hetfl.host import flush_denormals, keep_freed_memory
+from hetfl.methods.checks import load_config
 
 USER_ERRORS = (ConfigError, PartitionError, DataFormatError, FetchError, PayloadError, ValueError,
                FileNotFoundError)

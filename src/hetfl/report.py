@@ -26,22 +26,86 @@ def human_bytes(n: float) -> str:
 
 
 def results_table(results: dict[str, dict[str, Any]]) -> str:
-    """A fixed-width table: method, final and best accuracy, seconds (wall of this run, server stage,
-    local training summed over clients as measured when the uploads were trained), bytes up and down."""
+    """A fixed-width table: method, final and best accuracy, seconds of the server stage and bytes
+    uploaded; a method's other models (e.g. FedDF's per-architecture students) on lines of their own.
+    Under it: :func:`budget_note` (the methods run far below their default budget), :func:`seconds_note`
+    (the clients' local training, which the server seconds leave out) and :func:`collapse_notes`."""
     w = max([14, *(len(name) for name in results)])  # the method column fits the longest name
-    header = (f"{'method':<{w}} {'acc %':>7} {'best %':>7} {'wall s':>8} {'server s':>9} {'clients s':>10} "
-              f"{'bytes up':>11} {'bytes down':>11}")
+    header = f"{'method':<{w}} {'final acc %':>11} {'best acc %':>10} {'server s':>8} {'bytes up':>10}"
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         server = r.get("server_seconds", r["seconds"])
-        cached = " (cached)" if r.get("cached_uploads") else ""
-        lines.append(f"{name:<{w}} {r['accuracy']:>7.2f} {r['best_accuracy']:>7.2f} {r['seconds']:>8.1f} "
-                     f"{server:>9.1f} {r.get('client_seconds', 0.0):>10.1f} "
-                     f"{human_bytes(r['bytes_up']):>11} {human_bytes(r['bytes_down']):>11}{cached}")
+        lines.append(f"{name:<{w}} {r['accuracy']:>11.2f} {r['best_accuracy']:>10.2f} {server:>8.1f} "
+                     f"{human_bytes(r['bytes_up']):>10}")
         for sub, acc in (r.get("models") or {}).items():
             if sub != name:
-                lines.append(f"  {sub:<{w - 2}} {acc:>7.2f}")
-    return "\n".join(lines + collapse_notes(results))
+                lines.append(f"  {sub:<{w - 2}} {acc:>11.2f}")
+    notes = [budget_note(results), seconds_note(results)]
+    return "\n".join(lines + [n for n in notes if n] + collapse_notes(results))
+
+
+# The keys that size a server stage, by the unit they count (the generator family's epochs T_g and
+# generator steps T_G, FedDF's distillation steps, a round method's rounds).
+BUDGET_KEYS = {"epochs": "epochs", "generator_steps": "generator steps", "steps": "steps", "rounds": "rounds"}
+FAR_FROM_CONVERGED = 0.25  # a server stage at or below this fraction of its default budget
+
+
+def method_defaults(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    """The defaults of the registered method a result ran (``result["method"]``, else its label):
+    the papers' budgets for the generator family; ``{}`` for a method no longer registered."""
+    from hetfl.methods import METHODS
+
+    cls = METHODS.get(result.get("method", name))
+    return dict(getattr(cls, "defaults", None) or {})
+
+
+def budget_fraction(name: str, result: dict[str, Any]) -> tuple[float, str]:
+    """``(fraction, "8 of 200 epochs, 8 of 30 generator steps")``: the share of its default server
+    budget a method ran (the product over :data:`BUDGET_KEYS` below their default; 1.0 and ``""``
+    where none is, or the result has no ``params``)."""
+    params, defaults = result.get("params") or {}, method_defaults(name, result)
+    fraction, parts = 1.0, []
+    for key, unit in BUDGET_KEYS.items():
+        ran, default = params.get(key), defaults.get(key)
+        if isinstance(ran, int) and isinstance(default, int) and 0 < ran < default:
+            fraction *= ran / default
+            parts.append(f"{ran:,} of {default:,} {unit}")
+    return fraction, ", ".join(parts)
+
+
+def budget_note(results: dict[str, dict[str, Any]]) -> str:
+    """One line naming the methods whose server stage ran at most :data:`FAR_FROM_CONVERGED` of its
+    default budget (:func:`budget_fraction`): their numbers say little about the method; ``""`` if none."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name, r in results.items():
+        fraction, ran = budget_fraction(name, r)
+        if fraction <= FAR_FROM_CONVERGED:
+            groups[ran].append(name)
+    if not groups:
+        return ""
+    named = "; ".join(f"{', '.join(names)} ({ran})" for ran, names in groups.items())
+    return (f"note: at this budget {named} ran a small part of their default server stage and are far "
+            f"from converged; see docs/results/ for paper-budget numbers")
+
+
+def seconds_note(results: dict[str, dict[str, Any]]) -> str:
+    """One line on what the server seconds leave out: the clients' local training (summed over the
+    clients, once per distinct value, with the methods it served); ``""`` if no method had any."""
+    served: dict[str, list[str]] = defaultdict(list)
+    cached = []
+    for name, r in results.items():
+        if r.get("client_seconds", 0.0) > 0:
+            served[f"{r['client_seconds']:.1f} s"].append(name)
+            cached.append(bool(r.get("cached_uploads")))
+    if not served:
+        return ""
+    if len(served) == 1:
+        (took, names), = served.items()
+        took = f"{took} (once, for the {len(names)} methods that share the uploads)"
+    else:
+        took = "; ".join(f"{t} ({', '.join(names)})" for t, names in served.items())
+    when = ", as measured when the cached uploads were trained" if all(cached) else ""
+    return f"server s leaves out the clients' local training: {took}{when}"
 
 
 def collapse_bounds(classes: int) -> tuple[float, float]:

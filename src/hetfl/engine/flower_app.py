@@ -37,11 +37,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from hetfl.config import validate
 from hetfl.data import ImageDataset, load_dataset, make_partition
 from hetfl.engine.simulator import Simulator, prepare, resolve_device
 from hetfl.fl.client import ClientEnv, handle
 from hetfl.fl.payload import Payload, PayloadError
+from hetfl.methods.checks import validate
 
 log = logging.getLogger("hetfl")
 

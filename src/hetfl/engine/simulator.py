@@ -43,6 +43,7 @@ from hetfl.fl.method import (
 from hetfl.fl.payload import Payload, PayloadError, json_safe, jsonl_rows
 from hetfl.fl.training import TrainCheckpoint, TrainConfig, bf16_native, evaluate
 from hetfl.host import flush_denormal_setting, flush_denormals, malloc_setting
+from hetfl.methods.checks import check_methods
 
 log = logging.getLogger("hetfl")
 
@@ -107,6 +108,7 @@ def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool
     server (``partitioned=False``) only evaluates on the test split and never partitions. ``splits``:
     the dataset, already loaded with ``cfg``'s dataset and data settings (a caller that prepares many
     cells of one dataset loads it once)."""
+    check_methods(cfg)  # an unknown method or parameter fails before the data loads
     device = resolve_device(cfg["device"])
     if splits is None:
         splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
@@ -486,6 +488,7 @@ class Simulator:
         (ctx.out_dir / "communication.json").write_text(json.dumps(
             {"per_client": ledger.per_client(), "per_round": ledger.per_round()}, indent=1))
         result = {
+            "method": method.method,
             "accuracy": final["accuracy"],
             "best_accuracy": max([final["accuracy"], *history]),
             "seconds": seconds,

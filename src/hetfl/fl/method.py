@@ -88,13 +88,15 @@ class Method(ABC):
     name: ClassVar[str]
     defaults: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, params: dict[str, Any] | None = None) -> None:
+    def __init__(self, params: dict[str, Any] | None = None, label: str | None = None) -> None:
         params = dict(params or {})
         unknown = sorted(set(params) - set(self.defaults) - {"client"})
         if unknown:
             raise ValueError(
                 f"method {self.name!r} does not take {unknown}; valid keys: {sorted(self.defaults) + ['client']}"
             )
+        self.method = type(self).name  # the registered method
+        self.name = label or self.method  # the config's label: names outputs and seeds the method's streams
         self.client_overrides: dict[str, Any] = dict(params.pop("client", {}) or {})
         self.params = {**self.defaults, **params}
 
@@ -197,7 +199,10 @@ class RoundMethod(Method):
             model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
-METHODS: dict[str, Callable[[dict[str, Any]], Method]] = {}
+METHODS: dict[str, Callable[..., Method]] = {}
+# Presets: named parameter sets of a registered method (``{"method": name, **params}``), filled by
+# the methods package from its presets.yaml. A config label may name one where it names a method.
+PRESETS: dict[str, dict[str, Any]] = {}
 
 
 def register(name: str) -> Callable:
@@ -212,10 +217,34 @@ def register(name: str) -> Callable:
     return deco
 
 
-def create_method(name: str, params: dict[str, Any] | None) -> Method:
+def register_preset(name: str, spec: dict[str, Any]) -> None:
+    """Register ``name`` as ``spec["method"]`` with the other keys of ``spec`` as its defaults."""
+    if name in METHODS or name in PRESETS:
+        raise ValueError(f"preset {name!r} clashes with a registered method or preset")
+    if spec.get("method") not in METHODS:
+        raise ValueError(f"preset {name!r}: unknown method {spec.get('method')!r}")
+    PRESETS[name] = dict(spec)
+
+
+def resolve_method(label: str, params: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The registered method and parameters of one ``methods:`` entry: ``method:`` names a method or a
+    preset (absent: the label does); a preset's parameters come first, the entry's override them."""
+    params = dict(params or {})
+    name = params.pop("method", label)
+    if name in PRESETS:
+        preset = dict(PRESETS[name])
+        name = preset.pop("method")
+        params = {**preset, **params}
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
-    return METHODS[name](params or {})
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))} "
+                         f"(presets: {', '.join(sorted(PRESETS)) or 'none'})")
+    return name, params
+
+
+def create_method(label: str, params: dict[str, Any] | None) -> Method:
+    """The method of the config entry ``label: params`` (see :func:`resolve_method`), named ``label``."""
+    name, params = resolve_method(label, params)
+    return METHODS[name](params, label=label)
 
 
 def sample_clients(num_clients: int, ratio: float, round_: int, seed: int) -> list[int]:

@@ -1,6 +1,10 @@
-"""Methods: importing this package registers every method and its client tasks."""
+"""Methods: importing this package registers every method, its client tasks and the presets."""
 
-from hetfl.fl.method import METHODS, create_method
+from pathlib import Path
+
+import yaml
+
+from hetfl.fl.method import METHODS, PRESETS, create_method, register_preset, resolve_method
 from hetfl.methods import (  # noqa: F401
     central,
     coboosting,
@@ -14,4 +18,7 @@ from hetfl.methods import (  # noqa: F401
     ot,
 )
 
-__all__ = ["METHODS", "create_method"]
+for _name, _spec in yaml.safe_load((Path(__file__).with_name("presets.yaml")).read_text()).items():
+    register_preset(_name, _spec)
+
+__all__ = ["METHODS", "PRESETS", "create_method", "resolve_method"]

@@ -52,7 +52,7 @@ class Central(OneShotMethod):
         bar.close()
         for path in ctx.out_dir.glob("checkpoint-central-*.safetensors"):
             path.unlink()  # done (and any file of another configuration)
-        return {"central": model}
+        return {self.name: model}
 
     def _checkpoint(self, ctx: ServerContext, cfg: dict, seed: int, data: str) -> TrainCheckpoint:
         """The training's checkpoint (:class:`TrainCheckpoint`: every ``CHECKPOINT_EVERY_S`` seconds

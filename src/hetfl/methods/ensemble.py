@@ -21,4 +21,4 @@ class EnsembleMethod(OneShotMethod):
     defaults: dict = {}
 
     def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
-        return {"ensemble": Ensemble(list(client_models(uploads, ctx).values())).to(ctx.device)}
+        return {self.name: Ensemble(list(client_models(uploads, ctx).values())).to(ctx.device)}

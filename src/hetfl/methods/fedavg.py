@@ -47,10 +47,10 @@ class FedAvgOneShot(OneShotMethod):
             head = ctx.server_arch
         else:
             head = max(groups, key=lambda a: sum(uploads[c].meta["num_samples"] for c in groups[a]))
-        out = {"fedavg": averaged[head]}
+        out = {self.name: averaged[head]}
         if len(averaged) > 1:
-            out.update({f"fedavg[{arch}]": m for arch, m in averaged.items() if arch != head})
-            out["fedavg[vote]"] = vote([averaged[head], *(m for arch, m in averaged.items() if arch != head)])
+            out.update({f"{self.name}[{arch}]": m for arch, m in averaged.items() if arch != head})
+            out[f"{self.name}[vote]"] = vote([averaged[head], *(m for arch, m in averaged.items() if arch != head)])
         return out
 
 
@@ -83,14 +83,14 @@ class FedAvgRounds(RoundMethod):
         self.global_model.load_state_dict(state)
 
     def models(self) -> dict[str, nn.Module]:
-        return {"fedavg": self.global_model}
+        return {self.name: self.global_model}
 
 
 @register("fedavg")
-def make_fedavg(params: dict[str, Any]) -> OneShotMethod | RoundMethod:
+def make_fedavg(params: dict[str, Any], label: str | None = None) -> OneShotMethod | RoundMethod:
     rounds = params.get("rounds", 1)
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"fedavg: rounds must be a positive integer, got {rounds!r}")
-    return FedAvgRounds(params) if rounds > 1 else FedAvgOneShot(params)
+    return FedAvgRounds(params, label) if rounds > 1 else FedAvgOneShot(params, label)
 
 

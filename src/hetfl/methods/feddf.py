@@ -151,17 +151,17 @@ class FedDF(OneShotMethod):
             head = arch == ctx.server_arch  # the headline keeps the batch seed of single-student runs
             seed = derive_seed(ctx.seed, "feddf-batches", *(() if head else (arch,)))
             distill_prior += self._distil(student, aux, teacher_logits, ctx, track=head, seed=seed,
-                                          desc="feddf: distillation" + ("" if head else f" [{arch}]"),
+                                          desc=f"{self.name}: distillation" + ("" if head else f" [{arch}]"),
                                           checkpoint=self._checkpoint_path(ctx, arch), key=f"{key} {arch}")
             students[arch] = student
         for path in [self._checkpoint_path(ctx, a) for a in archs] + [ctx.out_dir / "teacher-logits.safetensors"]:
             path.unlink(missing_ok=True)  # done: the engine stores the result
         ctx.record["aux_dataset"] = aux_name
         ctx.record["distill_seconds"] = round(time.perf_counter() - start - teacher_now + distill_prior, 1)
-        out: dict[str, nn.Module] = {"feddf": students[ctx.server_arch]}
+        out: dict[str, nn.Module] = {self.name: students[ctx.server_arch]}
         if len(students) > 1:
-            out.update({f"feddf[{arch}]": m for arch, m in students.items() if arch != ctx.server_arch})
-            out["feddf[vote]"] = vote(list(students.values()))
+            out.update({f"{self.name}[{arch}]": m for arch, m in students.items() if arch != ctx.server_arch})
+            out[f"{self.name}[vote]"] = vote(list(students.values()))
         return out
 
     @staticmethod

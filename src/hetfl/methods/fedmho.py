@@ -375,22 +375,4 @@ class FedMHOSD(FedMHO):
     kd = "sd"
 
 
-@register("fedmho_md_klmean")
-class FedMHOMDKLMean(FedMHOMD):
-    """FedMHO-MD with ``kl_reduction: mean``: the KD term reduced as the authors' code does
-    (torch's ``KLDivLoss()`` default, which also divides by the number of classes), registered under
-    its own name so it runs beside ``fedmho_md`` on the same uploads."""
-
-    name = "fedmho_md_klmean"
-    defaults: dict[str, Any] = {**FedMHO.defaults, "kl_reduction": "mean"}
-
-
-@register("fedmho_sd_klmean")
-class FedMHOSDKLMean(FedMHOSD):
-    """FedMHO-SD with ``kl_reduction: mean`` (the authors' code's reduction; see ``fedmho_md_klmean``)."""
-
-    name = "fedmho_sd_klmean"
-    defaults: dict[str, Any] = {**FedMHO.defaults, "kl_reduction": "mean"}
-
-
 register("fedmho")(FedMHO)

@@ -139,4 +139,4 @@ class OTFusion(OneShotMethod):
         fused = fuse(states, chain_layers(models[ids[0]]), weights, anchor=ids.index(anchor))
         model = ctx.build(archs[0], purpose="ot")
         model.load_state_dict(fused)
-        return {"ot": model}
+        return {self.name: model}
