@@ -46,10 +46,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hetfl.config import load_config
-from hetfl.engine.simulator import Experiment, prepare, processor_name
+from hetfl.engine.environment import processor_name
+from hetfl.engine.experiment import Experiment, prepare
 from hetfl.fl.aggregate import normalise
 from hetfl.fl.method import derive_seed
-from hetfl.fl.training import TrainConfig, accuracy_report, autocast, local_train, predict_logits
+from hetfl.fl.precision import autocast
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import accuracy_report, local_train, predict_logits
 from hetfl.models import build_model
 
 

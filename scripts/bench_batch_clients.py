@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from hetfl.data.base import ImageDataset
-from hetfl.fl.training import TrainConfig, local_train, local_train_group
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import local_train, local_train_group
 from hetfl.models import build_model
 
 

@@ -24,7 +24,7 @@ import torch
 
 from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller
 from hetfl.fl.method import ServerContext
-from hetfl.fl.training import TrainConfig
+from hetfl.fl.train_config import TrainConfig
 from hetfl.methods.coboosting import CoBoosting, CoBoostingRecipe
 from hetfl.models import build_model
 

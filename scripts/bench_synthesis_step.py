@@ -31,7 +31,8 @@ import torch
 from hetfl.fl import datafree
 from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller
 from hetfl.fl.method import ServerContext
-from hetfl.fl.training import TrainConfig, weights_frozen
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import weights_frozen
 from hetfl.methods.dense import DenseRecipe
 from hetfl.models import build_model
 

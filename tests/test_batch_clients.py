@@ -13,7 +13,8 @@ from hetfl.config import ConfigError
 from hetfl.data.base import ImageDataset
 from hetfl.engine.simulator import Simulator, config_hash, prepare
 from hetfl.fl.client import ClientEnv, group_key, handle, handle_group, train_message
-from hetfl.fl.training import TrainConfig, clip_per_client, local_train, local_train_group
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import clip_per_client, local_train, local_train_group
 from hetfl.methods.checks import validate
 from hetfl.models import build_model
 
@@ -166,11 +167,11 @@ def test_group_training_in_bf16_autocast_tracks_fp32_weights(synthetic_small):
 def test_flushed_subnormals_cache_their_uploads_apart(tmp_path, tiny_config, monkeypatch):
     """``simulator.flush_denormal``: other bits, so other cache keys; the flag itself is process-wide and
     tested in a fresh interpreter (test_host.py, test_cli.py), so here it is only recorded as asked."""
-    import hetfl.engine.simulator as simulator
+    import hetfl.engine.uploads as uploads
 
     asked: list[bool] = []
-    monkeypatch.setattr(simulator, "flush_denormals", lambda: asked.append(True) or True)
-    monkeypatch.setattr(simulator, "flush_denormal_setting", lambda: bool(asked))  # on once asked for
+    monkeypatch.setattr(uploads, "flush_denormals", lambda: asked.append(True) or True)
+    monkeypatch.setattr(uploads, "flush_denormal_setting", lambda: bool(asked))  # on once asked for
     cfg = copy.deepcopy(tiny_config)
     cache = tmp_path / "cache"
     plain = Simulator(prepare(validate(cfg)), tmp_path / "a", cache, quiet=True).run()
@@ -186,7 +187,7 @@ def test_flushed_subnormals_cache_their_uploads_apart(tmp_path, tiny_config, mon
     later = Simulator(prepare(validate(cfg)), tmp_path / "l", cache, quiet=True).run()
     assert later["results"]["fedavg"]["cached_uploads"] == 3
     assert later["results"]["fedavg"]["uploads_sha256"] == flushed["results"]["fedavg"]["uploads_sha256"]
-    monkeypatch.setattr(simulator, "flush_denormals", lambda: False)  # a CPU that cannot
+    monkeypatch.setattr(uploads, "flush_denormals", lambda: False)  # a CPU that cannot
     cfg["simulator"] = {"flush_denormal": True}
     with pytest.raises(ConfigError, match="cannot flush subnormal"):
         Simulator(prepare(validate(cfg)), tmp_path / "c", cache, quiet=True)

@@ -78,12 +78,12 @@ def test_shipped_configs_are_valid():
 def test_a_device_this_machine_lacks_fails_before_any_data_is_loaded(monkeypatch, tiny_config, tmp_path):
     import torch
 
-    from hetfl.engine.simulator import prepare, resolve_device
+    from hetfl.engine.experiment import prepare, resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("hetfl.engine.simulator.load_dataset", lambda *a: pytest.fail("data loaded"))
+    monkeypatch.setattr("hetfl.engine.experiment.load_dataset", lambda *a: pytest.fail("data loaded"))
     cfg = load_config(write(tmp_path, tiny_config), ["device=cuda"])
     with pytest.raises(ConfigError, match="device: 'cuda' asked for, but torch .* sees no CUDA GPU here"):
         prepare(cfg)

@@ -15,7 +15,8 @@ from hetfl.data import make_partition
 from hetfl.data.synthetic import load_synthetic
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.datafree import BNStatsLoss, kl_div
-from hetfl.fl.training import TrainConfig, local_train, predict_logits
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import local_train, predict_logits
 from hetfl.methods.checks import validate
 from hetfl.methods.fedhydra import (
     SATURATED_CE,
@@ -844,7 +845,7 @@ def test_config_key_leaves_later_keys_out_at_their_default():
     import hetfl.methods  # noqa: F401
     from hetfl.fl.method import create_method
 
-    dense = create_method("dense", {"epochs": 3, "pool_shuffle": False})  # DENSE's defaults before session 66
+    dense = create_method("dense", {"epochs": 3, "pool_shuffle": False})  # the pool-order KD pass
     older = {k: v for k, v in dense.params.items() if k not in ("generator_grad_clip", "pool_shuffle")}
     assert config_key(dense.config, method="dense", params=dense.params) == config_key(
         dense.config, method="dense", params=older)
@@ -855,7 +856,7 @@ def test_config_key_leaves_later_keys_out_at_their_default():
     assert json.loads(config_key(DataFreeConfig(generator_grad_clip=10.0)))["generator_grad_clip"] == 10.0
     assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
     assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
-    for key, value in (("distill_precision", "bf16"), ("compile", True)):  # added in session 76
+    for key, value in (("distill_precision", "bf16"), ("compile", True)):  # added after checkpoints existed
         assert key not in json.loads(config_key(DataFreeConfig()))
         assert key not in json.loads(config_key(dense.config, method="dense", params=dense.params))["params"]
         assert json.loads(config_key(DataFreeConfig(**{key: value})))[key] == value
@@ -872,10 +873,10 @@ def test_distill_precision_and_compile_are_checked(bad, match):
 
 def test_compile_without_a_cpp_compiler_fails_before_training(monkeypatch):
     import hetfl.methods  # noqa: F401
-    from hetfl.fl import training
+    from hetfl.fl import precision
     from hetfl.fl.method import create_method
 
-    monkeypatch.setattr(training.shutil, "which", lambda name: None)
+    monkeypatch.setattr(precision.shutil, "which", lambda name: None)
     ctx = type("Ctx", (), {"device": CPU})()
     with pytest.raises(ValueError, match="compile: true needs a C\\+\\+ compiler"):
         create_method("fedhydra", {"compile": True}).check(ctx)

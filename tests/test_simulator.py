@@ -379,7 +379,7 @@ def test_central_training_stopped_by_ctrl_c_resumes_to_the_same_model(tmp_path, 
 
 def test_cpu_bf16_units_read_the_flags_line():
     """The bf16 units come from /proc/cpuinfo's flags, in the order weakest first; none without the line."""
-    from hetfl.engine.simulator import cpu_bf16_units
+    from hetfl.engine.environment import cpu_bf16_units
 
     amx = "processor\t: 0\nflags\t\t: fpu avx512f amx_tile amx_bf16 avx512_bf16 amx_int8\n"
     assert cpu_bf16_units(amx) == ["avx512_bf16", "amx_bf16"]

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetfl.fl import training
+from hetfl.fl import precision, training
+from hetfl.fl.checkpoint import TrainCheckpoint, load_momentum, momentum_tensors
 from hetfl.fl.method import derive_seed, sample_clients
 from hetfl.fl.payload import Payload
-from hetfl.fl.training import TrainCheckpoint, TrainConfig, accuracy_report, evaluate, local_train, minibatches
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import accuracy_report, evaluate, local_train, minibatches
 from hetfl.models import build_model
 
 CPU = torch.device("cpu")
@@ -71,33 +73,33 @@ def test_client_sampling_is_seeded_and_sized():
 
 
 def test_bf16_on_a_device_that_emulates_it_warns_once_and_fp32_never(monkeypatch):
-    monkeypatch.setattr(training, "bf16_native", lambda device_type: False)
-    monkeypatch.setattr(training, "_WARNED_EMULATED", set())
+    monkeypatch.setattr(precision, "bf16_native", lambda device_type: False)
+    monkeypatch.setattr(precision, "_WARNED_EMULATED", set())
     cpu = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with training.autocast(cpu, "fp32"):
+        with precision.autocast(cpu, "fp32"):
             pass
     with pytest.warns(RuntimeWarning, match="without native bf16 kernels.*Use precision fp32"), \
-            training.autocast(cpu, "bf16"):
+            precision.autocast(cpu, "bf16"):
         assert torch.is_autocast_enabled("cpu")
     with warnings.catch_warnings():  # once per process: a training loop does not repeat it per batch
         warnings.simplefilter("error")
-        with training.autocast(cpu, "bf16"):
+        with precision.autocast(cpu, "bf16"):
             pass
 
 
 def test_bf16_where_native_does_not_warn(monkeypatch):
-    monkeypatch.setattr(training, "bf16_native", lambda device_type: True)
-    monkeypatch.setattr(training, "_WARNED_EMULATED", set())
+    monkeypatch.setattr(precision, "bf16_native", lambda device_type: True)
+    monkeypatch.setattr(precision, "_WARNED_EMULATED", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with training.autocast(torch.device("cpu"), "bf16"):
+        with precision.autocast(torch.device("cpu"), "bf16"):
             pass
 
 
 def test_bf16_native_is_false_on_a_cpu_without_avx512():
-    native = training.bf16_native("cpu")
+    native = precision.bf16_native("cpu")
     assert isinstance(native, bool)
     if not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")):
         assert not native  # e.g. an AVX2 CPU: oneDNN has no bf16 kernels for it
@@ -197,7 +199,9 @@ def test_sigterm_saves_the_step_before_the_process_ends(tmp_path, synthetic_smal
 import os, signal, torch, torch.nn.functional as F
 from pathlib import Path
 from hetfl.data.synthetic import load_synthetic
-from hetfl.fl.training import TrainCheckpoint, TrainConfig, local_train
+from hetfl.fl.checkpoint import TrainCheckpoint
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import local_train
 torch.set_num_threads({torch.get_num_threads()})
 data = load_synthetic(classes=4, channels=1, size=16, train_per_class=60, test_per_class=30, seed=3).train
 calls = []
@@ -257,16 +261,16 @@ def test_momentum_buffers_round_trip_by_parameter_index_and_a_misfit_changes_not
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    assert training.momentum_tensors(opt, "m.") == {}  # no step yet: no buffers
+    assert momentum_tensors(opt, "m.") == {}  # no step yet: no buffers
     net(torch.randn(4, 3)).sum().backward()
     opt.step()
-    saved = training.momentum_tensors(opt, "m.")
+    saved = momentum_tensors(opt, "m.")
     assert set(saved) == {"m.0", "m.1"} and saved["m.0"].shape == (2, 3)
     fresh = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    training.load_momentum(fresh, {**saved, "other.0": torch.zeros(1), "m.x": torch.zeros(1)}, "m.")
+    load_momentum(fresh, {**saved, "other.0": torch.zeros(1), "m.x": torch.zeros(1)}, "m.")
     assert all(torch.equal(fresh.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
                for p in net.parameters())
     empty = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=r"momentum buffers \[1\] do not fit"):
-        training.load_momentum(empty, {"m.0": saved["m.0"], "m.1": torch.zeros(5)}, "m.")
+        load_momentum(empty, {"m.0": saved["m.0"], "m.1": torch.zeros(5)}, "m.")
     assert not empty.state  # checked before anything was set

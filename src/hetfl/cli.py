@@ -166,138 +166,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from hetfl.config import validate
-    from hetfl.reproduce import fedhydra as paper
-    from hetfl.reproduce.common import (
-        archive_and_say,
-        check_choices,
-        csv,
-        int_list,
-        run_grid_parallel,
-        run_missing_methods,
-        simulator_flags,
-    )
+    from hetfl.reproduce.runner import main as reproduce
 
-    if args.flush_denormal:
-        flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
-    if args.client_jobs < 1:
-        raise ConfigError(f"--client-jobs must be at least 1, got {args.client_jobs}")
-    if args.client_jobs > 1 and args.jobs < 2:
-        raise ConfigError("--client-jobs splits the clients' job of --jobs: give --jobs 2 or more as well")
-    if args.paper == "fedmho":
-        from hetfl.reproduce import fedmho
-
-        return fedmho.main(args)
-
-    args.settings = args.settings or "0.5,0.3,0.1,0.01,2c/c"
-    root = Path(args.out or "runs/reproduce-fedhydra")
-    results = Path(args.results or "docs/results/fedhydra.md")
-    notes = results.with_name(results.stem + "-notes.md")
-    if args.report_only:
-        paper.write_results(root, results, notes)
-        print(f"wrote {results}")
-        return 0
-    methods = tuple(csv(args.methods)) if args.methods else paper.METHODS
-    check_choices("methods", methods, paper.METHODS + paper.EXTRA)
-    check_choices("budget", args.budget, paper.BUDGETS)
-    settings = [] if args.settings == "none" else csv(args.settings)  # none: only the --ablation cells
-    check_choices("settings", settings, paper.SETTINGS, " (or none)")
-    cells = paper.grid(csv(args.datasets), settings, int_list("seeds", args.seeds), args.budget, methods,
-                       int_list("clients", args.clients), args.ablation, args.ablation_method)
-    for cfg in cells:  # validate the whole grid before running anything
-        if args.device:
-            cfg["device"] = args.device
-        if simulator := simulator_flags(args):
-            cfg["simulator"] = simulator
-        validate(cfg)
-
-    def runner(cfg: dict, out: Path, cache: Path, data_root: str | None) -> dict:
-        return run_missing_methods(validate(cfg), out, cache, data_root, args.quiet)
-
-    def archive(name: str) -> None:  # the measured summary (and curves) kept in git beside the results file
-        archive_and_say(root, name, results, paper.CURVE_METHODS)
-
-    if args.jobs > 1:
-        run_grid_parallel(cells, root, Path(args.cache_dir), args.data_root, args.jobs, archive,
-                          lambda: paper.write_results(root, results, notes), args.client_jobs)
-        print(f"wrote {results}")
-        return 0
-    for i, cfg in enumerate(cells, 1):
-        print(f"[{i}/{len(cells)}] {cfg['name']}", flush=True)
-        paper.run_cell(cfg, root, Path(args.cache_dir), args.data_root, runner)
-        archive(cfg["name"])
-        paper.write_results(root, results, notes)
-    print(f"wrote {results}")
-    return 0
-
-
-def cmd_archive_run(args: argparse.Namespace) -> int:
-    from hetfl.reproduce.common import archive_folder, archive_run
-
-    results = Path(args.results or f"docs/results/{args.paper}.md")
-    entry = archive_run(archive_folder(results), Path(args.run), args.method, args.label, change=args.change,
-                        merge=args.merge, curve=args.curve, twin=args.twin)
-    merged = " and merged into the archived cell" if args.merge else ""
-    print(f"archived {args.method} of {args.run} as {entry['file']} ({entry['cell']}){merged}; rewrite the "
-          f"report with `hetfl reproduce {args.paper} --report-only --out <empty folder> --results {results}`")
-    return 0
-
-
-def _archive_subfolder(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The results file of ``args.paper`` (``--results``) and its archive subfolder ``--folder``."""
-    from hetfl.reproduce.common import archive_folder
-
-    results = Path(args.results or f"docs/results/{args.paper}.md")
-    return results, archive_folder(results) / args.folder if args.folder else archive_folder(results)
-
-
-def cmd_archive_merge(args: argparse.Namespace) -> int:
-    from hetfl.reproduce.common import merge_cell_methods
-
-    results, folder = _archive_subfolder(args)
-    methods = [m for m in args.methods.split(",") if m]
-    for run in args.cells:
-        target, merged = merge_cell_methods(Path(run), methods, folder)
-        print(f"merged {', '.join(merged)} of {run} into {target}")
-    print(f"rewrite the report with `hetfl reproduce {args.paper} --report-only --out <empty folder> "
-          f"--results {results}`")
-    return 0
-
-
-def cmd_archive_replace(args: argparse.Namespace) -> int:
-    from hetfl.reproduce.common import archive_folder, replace_cell
-
-    results = Path(args.results or f"docs/results/{args.paper}.md")
-    curves: tuple[str, ...] = ()
-    if args.paper == "fedhydra":  # FedMHO's cells keep Fig. 6's curve in the summary
-        from hetfl.reproduce.fedhydra import CURVE_METHODS as curves
-    for run in args.cells:
-        target, kept = replace_cell(Path(run), archive_folder(results), args.kept_as, curves, args.folder)
-        print(f"archived {run} as {target}; the earlier copy kept as {kept}")
-    print(f"rewrite the report with `hetfl reproduce {args.paper} --report-only --out <empty folder> "
-          f"--results {results}`")
-    return 0
-
-
-def cmd_archive_check(args: argparse.Namespace) -> int:
-    import torch
-
-    from hetfl.engine.simulator import run_environment
-    from hetfl.reproduce.common import check_retrain
-
-    _, folder = _archive_subfolder(args)
-    found = check_retrain(folder, args.cells, run_environment(torch.device("cpu")))
-    for name, (why, missing) in found.items():
-        if why:
-            print(f"{name}: other uploads here ({why})")
-        elif missing:
-            print(f"{name}: no recorded difference, but {', '.join(missing)} not recorded: "
-                  "only the merge's upload check, after the run, can tell")
-        else:
-            print(f"{name}: same processor, instruction set, torch and threads")
-    return 1 if any(why for why, _ in found.values()) else 0
+    return reproduce(args)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -321,14 +192,6 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("datasets:  " + ", ".join(DATASET_NAMES))
     print("partition: " + ", ".join(PARTITION_KINDS))
     return 0
-
-
-def _archive_parser(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
-    """A subcommand on a paper's archive of results: its ``paper`` argument and ``--results``."""
-    cmd = sub.add_parser(name, help=help_text)
-    cmd.add_argument("paper", choices=["fedhydra", "fedmho"])
-    cmd.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
-    return cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -391,106 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--device", default="cpu", help="the device the runs here use (default: cpu)")
     imp.set_defaults(func=cmd_cache_import)
 
-    rep = sub.add_parser("reproduce", help="run a paper's main tables and write docs/results/<paper>.md")
-    rep.add_argument("paper", choices=["fedhydra", "fedmho"])
-    rep.add_argument("--budget", default="reduced", help="reduced (a few hours on 2 cores) or paper; fedhydra "
-                     "also reduced-t60 (reduced with T_g = 60 server epochs), reduced-t60-g30 (that with T_G = 30) and "
-                     "reduced-t60-g30-bf16, and paper-bf16 (paper with bf16 clients and server: for CPUs with "
-                     "AMX); fedmho also vgg9-e10 (reduced with the paper's VGG-9 classifiers) and "
-                     "vgg9-e50 (that with 50 local epochs), reduced-feddf-partition and vgg9-e10-feddf-partition "
-                     "(those on the authors' partition, feddf_dirichlet, which paper uses too)")
-    rep.add_argument("--datasets", default="mnist,fmnist")
-    rep.add_argument("--settings", default=None,
-                     help="Dirichlet alphas and/or 2c/c (default fedhydra: 0.5,0.3,0.1,0.01,2c/c; fedmho: 0.5,0.3,0.1);"
-                          " fedhydra: none runs only the --ablation cells")
-    rep.add_argument("--seeds", default="0,1,2")
-    from hetfl.reproduce import fedhydra as hydra_paper  # both are torch-free: the help stays in sync
-    from hetfl.reproduce import fedmho as mho_paper
+    rep = sub.add_parser("reproduce", help="run a paper's grid and write docs/results/<paper>.md")
+    from hetfl.reproduce.runner import add_arguments
 
-    hydra = ",".join(hydra_paper.METHODS + hydra_paper.EXTRA)
-    extra_mho = ",".join(m for m in mho_paper.LABELS if m not in mho_paper.METHODS)
-    rep.add_argument("--methods", default=None,
-                     help=f"comma-separated subset (default fedhydra: {hydra}; fedmho: {','.join(mho_paper.METHODS)};"
-                          f" on request: {extra_mho})")
-    rep.add_argument("--clients", default="5", help="client counts, e.g. 5,10,20,50,100 (Table 4/7 sweep)")
-    rep.add_argument("--ablation", action="store_true",
-                     help="also Table 6 (fedhydra: lambda_1, lambda_2 at alpha 0.5; fedmho: no filter) and "
-                          "fedmho's Table 8 (R_th sweep)")
-    rep.add_argument("--ablation-method", default="fedhydra",
-                     help="fedhydra: which method Table 6 runs (fedhydra = the paper's loop, fedhydra_dense = "
-                          "FedHydra in DENSE's loop, as the authors' code, fedhydra_dense_log1p = that loop "
-                          "with log1p(U), the summary's ours)")
-    rep.add_argument("--curve", action="store_true", help="fedmho: also Fig. 6 (accuracy per server epoch)")
-    rep.add_argument("--filter-probe", action="store_true",
-                     help="fedmho: run no cell; instead measure what the K-means filter keeps and drops on the Table 4 "
-                          "cells of --budget (--datasets, --settings, --seeds) from their uploads in --cache-dir, "
-                          "judged by a cnn2 trained on the real data; writes <results>-runs/filter-probe-<budget>.json "
-                          "and the results file")
-    rep.add_argument("--data-root", default=None)
-    rep.add_argument("--device", default=None,
-                     help="cpu, cuda, cuda:1 ... (default: auto = a GPU if torch sees one; uploads cached per device)")
-    rep.add_argument("--batch-clients", action="store_true",
-                     help="train each cell's from-scratch classifier clients of one architecture as one "
-                          "vectorised batch (simulator.batch_clients: for a GPU; other bits, cached apart)")
-    rep.add_argument("--flush-denormal", action="store_true",
-                     help="flush subnormal floats to zero on the CPU (simulator.flush_denormal: clients whose loss "
-                          "reaches 0 train 3x faster in bf16, 43x in fp32; other bits, cached apart)")
-    rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
-    rep.add_argument("--out", default=None, help="runs folder (default runs/reproduce-<paper>)")
-    rep.add_argument("--results", default=None, help="results file (default docs/results/<paper>.md)")
-    rep.add_argument("--report-only", action="store_true", help="rewrite the results file from finished runs")
-    rep.add_argument("--jobs", type=int, default=1,
-                     help="worker processes at once; per cell every method's client uploads are trained "
-                          "first, then every method runs in its own process on the cached uploads (keeps a GPU "
-                          "busy)")
-    rep.add_argument("--client-jobs", type=int, default=1,
-                     help="with --jobs: split each cell's client training over this many processes first, "
-                          "each training a round-robin shard of the clients (a GPU is mostly idle under one)")
-    rep.add_argument("--quiet", action="store_true")
+    add_arguments(rep)
     rep.set_defaults(func=cmd_reproduce)
-
-    arc = _archive_parser(sub, "archive-run", "keep a `hetfl run` made on an archived cell's uploads: its curve in "
-                          "<paper>-runs/paper-server-curves (runs.json) and, with --merge, its result in the cell")
-    arc.add_argument("run", help="the run's output folder (summary.json, metrics.jsonl), or a device trial's "
-                     "NAME.summary.json from scripts/device-trials.sh (NAME.jsonl beside it)")
-    arc.add_argument("--method", required=True, help="the method of that run to keep")
-    arc.add_argument("--label", required=True, help="what the run was, for the report (where, how, which session)")
-    arc.add_argument("--change", default=None, help="a trial of our variant: the setting it changes")
-    arc.add_argument("--merge", action="store_true", help="also merge the result into the archived cell "
-                     "(only a run at the cell's own config; refused otherwise)")
-    arc.add_argument("--curve", default=None, help="curve file name (default <cell>-<method>-cpu.jsonl)")
-    arc.add_argument("--twin", default=None, help="the curve file (in runs.json) of the same method on the same "
-                     "uploads with one setting apart, e.g. the fp32 run of a bf16 probe: the report compares them")
-    arc.set_defaults(func=cmd_archive_run)
-
-    mrg = _archive_parser(sub, "archive-merge", "merge methods re-run in `hetfl reproduce` cells (e.g. after a "
-                          "change of their defaults) into the archived cells of the same uploads; the result each "
-                          "replaces is kept in the cell's `replaced` and reported beside it")
-    mrg.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
-    mrg.add_argument("--methods", required=True, help="comma-separated methods to merge (each at the cell's config)")
-    mrg.add_argument("--folder", default="one-cache", help="archive subfolder of the cells (default one-cache; "
-                     "'' for the archive itself)")
-    mrg.set_defaults(func=cmd_archive_merge)
-
-    rep = _archive_parser(sub, "archive-replace", "archive `hetfl reproduce` cells run again whole (every method, "
-                          "uploads trained again: after a change of defaults, on a machine that does not retrain the "
-                          "archived uploads) in place of the archived cells of their names; the earlier copies go to "
-                          "<paper>-runs/partial/KEPT_AS/ and the report sets the two side by side")
-    rep.add_argument("cells", nargs="+", help="the re-run cells' folders (summary.json, metrics.jsonl)")
-    rep.add_argument("--kept-as", required=True,
-                     help="partial/ subfolder for the earlier copies, e.g. reduced-before-s68")
-    rep.add_argument("--folder", default="", help="archive subfolder of the cells (default '': the archive "
-                     "itself, as FedMHO's; fedhydra's one-cache cells: one-cache)")
-    rep.set_defaults(func=cmd_archive_replace)
-
-    chk = _archive_parser(sub, "archive-check", "whether clients retrained here (CPU, this torch, OMP_NUM_THREADS) "
-                          "would upload the named archived cells' models byte for byte, before a re-run spends "
-                          "hours on other uploads: exit 1 where a cell recorded another processor, torch or "
-                          "thread count")
-    chk.add_argument("cells", nargs="+", help="archived cell names, e.g. fedhydra-mnist-0.1-s0-reduced-t60-g30")
-    chk.add_argument("--folder", default="one-cache", help="archive subfolder of the cells (default one-cache; "
-                     "'' for the archive itself)")
-    chk.set_defaults(func=cmd_archive_check)
 
     st = sub.add_parser("status", help="where a run stands: steps logged, last and best accuracy, the step "
                         "its checkpoint holds and the time the rest takes, per method")

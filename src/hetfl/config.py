@@ -17,7 +17,7 @@ import yaml
 
 from hetfl.data import DATASET_NAMES
 from hetfl.data.partition import validate_spec
-from hetfl.fl.training import TrainConfig
+from hetfl.fl.train_config import TrainConfig
 from hetfl.models import MODEL_NAMES
 
 
@@ -39,7 +39,7 @@ FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
 # idle. Their uploads then differ in the last bits from one-at-a-time training and are cached apart.
 # ``flush_denormal`` flushes subnormal floats to zero on the CPU (hetfl.host.flush_denormals) for the
 # whole run: a client whose loss has reached 0 (one class, or a few) otherwise spends most of its
-# time on subnormal gradients (a cnn2 client 3x slower in bf16, 43x in fp32, measured); results
+# time on subnormal gradients (several times slower); results
 # change in the last bits, so its uploads are cached apart too.
 SIMULATOR_KEYS = {"batch_clients": False, "flush_denormal": False}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}

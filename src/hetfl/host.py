@@ -5,19 +5,16 @@ on where a config asks for it).
 glibc's ``malloc`` serves every block above its mmap threshold (128 KiB, rising to at most 32 MiB)
 with a fresh ``mmap`` and returns it to the kernel on ``free``. A synthetic batch of 256 images
 passing through a generator and five client models allocates and frees tens of such tensors per
-step, and each one is page-faulted in again (about 100,000 minor faults per generator step at batch
-256 in fp32, measured). :func:`keep_freed_memory` tells glibc to serve large blocks from its heap
-and to keep freed memory for reuse: on a 2-vCPU AMD EPYC one FedHydra generator step at batch 256
-went from 814-935 ms to 706-716 ms (fp32) and from 556-588 ms to 499-543 ms (bf16)
-(docs/BENCHMARKS.md). The cost is that the process's resident memory stays at its peak.
+step, and each one is page-faulted in again. :func:`keep_freed_memory` tells glibc to serve large
+blocks from its heap and to keep freed memory for reuse (timings in docs/BENCHMARKS.md). The cost is
+that the process's resident memory stays at its peak.
 
 Opt out with ``HETFL_MALLOC=default``. Elsewhere than glibc (macOS, musl) it does nothing.
 
 Subnormal floats (below 1.2e-38 in magnitude) take a slow path in x86 arithmetic. A client whose
-loss has reached 0, as a one-class client's does after a few epochs, computes mostly with them: on
-an Intel Xeon with AMX, cnn2 on MNIST's 6,131 images of one class took 1.12 s per epoch in bf16
-autocast and 26.4 s in fp32, against 0.38 s and 0.61 s with subnormals flushed to zero, ending with
-the same parameters to six decimals (docs/BENCHMARKS.md, "Subnormal floats"). :func:`flush_denormals` sets
+loss has reached 0, as a one-class client's does after a few epochs, computes mostly with them, many
+times slower; flushed to zero, the training ends with the same parameters up to the last bits
+(docs/BENCHMARKS.md, "Subnormal floats"). :func:`flush_denormals` sets
 the CPU's flush-to-zero and denormals-are-zero flags. They belong to each thread, and torch's
 worker threads copy them when they start, so the flags reach every thread only when they are set
 before torch's first parallel operation: the command line does that where the config asks for

@@ -1,5 +1,5 @@
 """Tables and plots of a run: the results table, the partition bubble plot (FedHydra Fig. 9),
-accuracy curves per method and a bar chart of the final results."""
+accuracy curves (one panel per method, each in its own unit) and a bar chart of the final results."""
 
 from __future__ import annotations
 
@@ -151,9 +151,7 @@ def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
     ax.set_xlim(-0.7, m - 0.3)
     ax.set_ylim(-0.7, c - 0.3)
     ax.set_title(title or f"samples per client and class (max {counts.max()})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def read_curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
@@ -182,9 +180,7 @@ def plot_accuracy_lines(curves: dict[str, list[tuple[float, float]]], path: Path
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -215,17 +211,75 @@ def plot_scatter_fits(points: dict[str, list[tuple[float, float]]], path: Path, 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
     """Tight layout (unless the figure has a layout engine of its own, e.g. ``layout="constrained"``),
-    write ``path``, free the figure; returns ``path``."""
+    write ``path``, free the figure; returns ``path``. No "Software" entry (matplotlib's version) in
+    the file's metadata: the same figure gives the same bytes."""
     if fig.get_layout_engine() is None:
         fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, metadata={"Software": None})
     plt.close(fig)
     return path
 
 
-def plot_curves(metrics_file: Path, path: Path) -> bool:
-    """Test accuracy against round/epoch for every method that logged more than one point."""
-    return plot_accuracy_lines(read_curves(metrics_file), path)
+def stage_axis(result: dict[str, Any] | None) -> tuple[str, int | None]:
+    """``(x label, length)`` of a method's evaluations, in its own unit: FedDF's distillation steps,
+    the generator family's server epochs, a round method's rounds; ``length`` is the budget it ran
+    (``None`` where its params do not say)."""
+    params = (result or {}).get("params") or {}
+    for key, label in (("steps", "distillation step"), ("generator_steps", "server epoch"),
+                       ("rounds", "round"), ("epochs", "server epoch")):
+        if key in params:
+            budget = params["epochs"] if key == "generator_steps" else params[key]
+            return label, budget if isinstance(budget, int) else None
+    return "epoch", None
+
+
+def accuracy_figure(curves: dict[str, list[tuple[float, float]]],
+                    results: dict[str, dict[str, Any]] | None = None) -> Any:
+    """Small multiples: one panel per method with more than one evaluation (in the order of
+    ``results``, then the others), test accuracy against the method's own x axis
+    (:func:`stage_axis`, spanning its whole server stage where the params give its length), with
+    the ensemble's (the teachers') accuracy as a dashed line where ``results`` has one. ``None``
+    if no method has a curve. The caller saves (:func:`save_figure`) or closes the figure."""
+    results = results or {}
+    points = {name: sorted(dict(pts).items()) for name, pts in curves.items()}  # a resumed step: last wins
+    points = {name: pts for name, pts in points.items() if len(pts) > 1}
+    order = [n for n in results if n in points] + sorted(n for n in points if n not in results)
+    if not order:
+        return None
+    cols = min(3, len(order))
+    rows = -(-len(order) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.6 * rows), sharey=True, squeeze=False)
+    teacher = results.get("ensemble", {}).get("accuracy")
+    for ax, name in zip(axes.flat, order):
+        steps, accs = zip(*points[name])
+        ax.plot(steps, accs, marker="." if len(steps) <= 40 else None, color="tab:blue")
+        if teacher is not None and name != "ensemble":
+            ax.axhline(teacher, color="grey", ls="--", lw=0.9, label=f"ensemble {teacher:.1f} %")
+            ax.legend(fontsize=7, loc="lower right")
+        label, budget = stage_axis(results.get(name))
+        if budget:
+            ax.set_xlim(0, budget)
+        ax.set_xlabel(label if budget is None else f"{label} (of {budget:,})", fontsize=8)
+        final = f", final {results[name]['accuracy']:.1f} %" if name in results else ""
+        ax.set_title(f"{name}{final}", fontsize=9)
+        ax.set_ylim(0, 100)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (%)", fontsize=8)
+    for ax in list(axes.flat)[len(order):]:
+        fig.delaxes(ax)
+    return fig
+
+
+def plot_curves(metrics_file: Path, path: Path, results: dict[str, dict[str, Any]] | None = None) -> bool:
+    """:func:`accuracy_figure` of the methods that logged more than one evaluation in
+    ``metrics_file``, written to ``path``; False (nothing written) if none did."""
+    fig = accuracy_figure(read_curves(metrics_file), results)
+    if fig is None:
+        return False
+    save_figure(fig, path)
+    return True
 
 
 def plot_results(results: dict[str, dict[str, Any]], path: Path, title: str = "") -> None:
@@ -243,9 +297,7 @@ def plot_results(results: dict[str, dict[str, Any]], path: Path, title: str = ""
     ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_plots(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
@@ -255,7 +307,7 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         part = json.loads((out_dir / "partition.json").read_text())
         plot_partition(np.array(part["counts"]), out_dir / "partition.png", summary["config"].get("name", ""))
         written.append(out_dir / "partition.png")
-    if plot_curves(out_dir / "metrics.jsonl", out_dir / "accuracy.png"):
+    if plot_curves(out_dir / "metrics.jsonl", out_dir / "accuracy.png", summary["results"]):
         written.append(out_dir / "accuracy.png")
     if summary["results"]:
         plot_results(summary["results"], out_dir / "results.png", summary["config"].get("name", ""))

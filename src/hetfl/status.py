@@ -1,14 +1,14 @@
 """Where a run stands (``hetfl status RUN_DIR``): per method, the steps logged, the last and best
 accuracy, the step its checkpoint holds and the seconds per step so far, read from the files a run
 writes as it goes (``<method>/metrics.jsonl``, the checkpoints, ``summary.json`` once it is done).
-For a server stage of hours that a session's end or a device deadline stopped: what a resume will
+For a server stage of hours that a stop or a deadline interrupted: what a resume will
 redo, and about how long the rest takes.
 
 The pace: rows stamped ``logged_at`` (every row the simulator writes) give each step's wall seconds
 (the time between the last rows of consecutive steps). A robust line through the last :data:`RECENT`
 steps' seconds (Theil-Sen, never sloping down) prices each step left: DENSE's and Co-Boosting's
 epochs grow slower as their pool grows, so the mean pace so far would promise too soon an end. The
-medians ignore the gap of a resume or a paused process. Rows without ``logged_at`` (older runs) fall
+medians ignore the gap of a resume or a paused process. Rows without ``logged_at`` fall
 back to the mean pace to the checkpoint."""
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from hetfl.data import ImageDataset, load_dataset, make_partition
-from hetfl.engine.simulator import Simulator, prepare, resolve_device
+from hetfl.engine.experiment import resolve_device
+from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.client import ClientEnv, handle
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.methods.checks import validate

@@ -80,7 +80,7 @@ class UploadCache:
 
     def partial_path(self, key: str) -> Path:
         """Where the client training for ``key`` keeps a resumable state until its upload is stored
-        (:class:`hetfl.fl.training.TrainCheckpoint`)."""
+        (:class:`hetfl.fl.checkpoint.TrainCheckpoint`)."""
         return self.root / "partial" / f"{key}.safetensors"
 
     def has(self, key: str) -> bool:

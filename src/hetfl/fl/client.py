@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from hetfl.data.base import ImageDataset
+from hetfl.fl.checkpoint import TrainCheckpoint
 from hetfl.fl.payload import Payload, PayloadError, state_payload
-from hetfl.fl.training import TrainCheckpoint, TrainConfig, local_train, local_train_group
+from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.training import local_train, local_train_group
 from hetfl.models import build_model
 
 

@@ -10,35 +10,25 @@ Shared pieces: :class:`BNStatsLoss` (DeepInversion hooks on the teachers' BatchN
 :func:`kl_div`, a bounded in-memory replay pool (uint8 images + teacher logits, never on disk),
 evaluation and metric logging through the :class:`~hetfl.fl.method.ServerContext`, and a
 checkpoint after every ``checkpoint_every`` epochs or ``checkpoint_every_s`` seconds, whichever comes
-first, so an interrupted server stage resumes. Each
-epoch logs the mean KD loss and ``kd_grad_max``, the largest gradient norm of the student's KD steps
-(before the optional ``grad_clip``, which Co-Boosting's code sets to 10 and DENSE's and FedHydra's
-do not use): a student that collapses to one
-class shows as a drop of that norm to the last layer's ~1.6 (measured at FedHydra's paper budget,
-docs/results/fedhydra-notes.md). It also logs ``dead_units``, the fraction of the student's ReLU
+first, so an interrupted server stage resumes. Each epoch logs the mean KD loss; ``kd_grad_max``, the
+largest gradient norm of the student's KD steps (before the optional ``grad_clip``, which
+Co-Boosting's code sets to 10 and DENSE's and FedHydra's do not use; a student collapsed to one class
+shows as a drop of it to the last layer's gradient alone); ``dead_units``, the fraction of the student's ReLU
 channels that output zero on every sample of the epoch's last KD batch (:class:`DeadUnits`; a layer
-at 1.0 passes no signal, which leaves only the last layer's bias to train), and ``kd_loss_new``, the
-KD loss of the epoch's fresh batches met before their own step. At FedHydra's paper budget a
-generator that finds batches on which the student is confidently wrong (``kd_loss_new`` 20-50)
-drives every BN scale and shift of the student's second block down at once, and its ReLUs die
-(docs/results/fedhydra-notes.md, thirty-fifth session).
+at 1.0 passes no signal); and ``kd_loss_new``, the KD loss of the epoch's fresh batches met before
+their own step (high when the generator finds batches on which the student is confidently wrong).
 
-Speed: with ``channels_last`` (default) the generator, teachers and student run in NHWC, where
-oneDNN's convolutions are faster on CPUs (measured 1.26x per generator step at batch 256 on an
-AVX-512 CPU; docs/BENCHMARKS.md). The arithmetic is the same up to float summation order
+Speed options: ``channels_last`` (default) runs the generator, teachers and student in NHWC, where
+oneDNN's CPU convolutions are faster; the arithmetic is the same up to float summation order
 (:meth:`~hetfl.models.generator.Generator.reset_parameters` draws the same weights in either
-layout). bf16 autocast (``precision``) measured no faster there, but 1.6x faster on the generator
-stage of an AMD EPYC with avx512_bf16, with best-over-epochs accuracy within a point of fp32 on the
-same uploads (docs/results/fedhydra.md, section "Precision"); fp32 stays the default.
-``distill_precision: bf16`` autocasts the student's forward in the KD steps as well (fp32 weights and
-loss; 1.5x per KD step at batch 256 on an AMX Xeon), and Co-Boosting's ODS passes through the teachers.
-``compile: true`` runs the part of each generator step after G (:meth:`DataFreeDistiller.guide`: the
-teachers with their BN hooks, the aggregate, the student) through ``torch.compile``, which fuses the
-memory-bound BatchNorm, ReLU, pooling and statistics passes around oneDNN's convolutions, forward and
-backward: the same values up to float summation order, about 30 s of compilation at the first step, and
-8-14 % less per generator step at the paper's batch on that Xeon in bf16 (the teachers' part alone 260
--> 198 ms). G itself stays eager: compiling it was measured no faster (docs/BENCHMARKS.md). Both are off
-by default.
+layout). ``precision: bf16`` autocasts the forwards of synthesis (fp32 by default), for CPUs with
+native bf16 and GPUs. ``distill_precision: bf16`` autocasts the student's forward in the KD steps as
+well (fp32 weights and loss), and Co-Boosting's ODS passes through the teachers. ``compile: true`` runs
+the part of each generator step after G (:meth:`DataFreeDistiller.guide`: the teachers with their BN
+hooks, the aggregate, the student) and the test pass through ``torch.compile``, which fuses the
+memory-bound BatchNorm, ReLU, pooling and statistics passes around the convolutions, forward and
+backward: the same values up to float summation order, after a compilation at the first step (G stays
+eager). ``distill_precision`` and ``compile`` are off by default; docs/BENCHMARKS.md has the timings.
 """
 
 from __future__ import annotations
@@ -59,17 +49,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hetfl.fl.method import ServerContext, derive_seed
-from hetfl.fl.training import (
-    autocast,
-    check_precision,
+from hetfl.fl.checkpoint import (
     load_momentum,
     load_optimizer_tensors,
     momentum_tensors,
     optimizer_tensors,
     stop_deferred,
-    weights_frozen,
 )
+from hetfl.fl.method import ServerContext, derive_seed
+from hetfl.fl.precision import autocast, check_precision
+from hetfl.fl.training import weights_frozen
 from hetfl.models.generator import Generator
 
 
@@ -110,14 +99,13 @@ class ChannelMeanVar(torch.autograd.Function):
     """Per-channel mean and biased variance of a (b, C, H, W) batch, in fp32 whatever the input's
     precision, with a one-pass backward: ``dx = g_mean / n + g_var * 2 (x - mean) / n`` as one
     ``addcmul``. Autograd's own backward of ``mean`` and ``var`` makes four passes over x, and
-    ``torch.var`` (Welford) reduces channels_last input 4x slower than two plain sums: together
-    about 15 ms -> 4-5 ms per (256, 16, 28, 28) batch (docs/BENCHMARKS.md)."""
+    ``torch.var`` (Welford) reduces channels_last input several times slower than two plain sums."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         xf = x.float()
         mean = xf.mean(dim=(0, 2, 3))
-        centred = xf - mean.view(1, -1, 1, 1)  # two passes of plain sums: torch.var is ~4x slower here
+        centred = xf - mean.view(1, -1, 1, 1)  # two passes of plain sums: torch.var is slower here
         var = (centred * centred).mean(dim=(0, 2, 3))
         ctx.save_for_backward(x, mean)
         return mean, var
@@ -192,7 +180,7 @@ class DataFreeConfig:
     replay: int = 0  # replayed pool batches per epoch (-1: the whole pool, DENSE)
     pool_shuffle: bool = False  # KD batches drawn afresh each epoch from the samples of the batches distilled
     precision: str = "fp32"  # fp32 | bf16 autocast for the generator, teacher and student forwards of synthesis
-    channels_last: bool = True  # generator, teachers and student in NHWC (1.26x per generator step on AVX-512)
+    channels_last: bool = True  # generator, teachers and student in NHWC (oneDNN's faster CPU convolutions)
     distill_precision: str = "fp32"  # fp32 | bf16 autocast for the KD forwards (student, Co-Boosting's ODS teachers)
     compile: bool = False  # torch.compile the generator step's teacher and student forwards (guide) and the test pass
     cosine: bool = False  # cosine-anneal the student lr over the epochs (Co-Boosting)
@@ -283,8 +271,8 @@ class DataFreeDistiller:
         self.last_batch: Batch | None = None
         self._guide = torch.compile(self.guide, dynamic=False) if cfg.compile else self.guide
         # With compile, the per-epoch test pass runs the student (eval mode, fp32) through torch.compile
-        # too: BatchNorm, ReLU and max-pooling fused after each convolution, 0.29-0.31 against 0.41-0.43 s
-        # per MNIST test pass on an AMX Xeon, logits within 3e-7 of eager (docs/BENCHMARKS.md)
+        # too: BatchNorm, ReLU and max-pooling fused after each convolution; logits equal to eager's up
+        # to float summation order
         self._eval_model = torch.compile(self.student, dynamic=False) if cfg.compile else self.student
 
     # -- pieces ---------------------------------------------------------------------------------

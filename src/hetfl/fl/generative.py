@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetfl.fl.checkpoint import Resumed, StageCheckpoint
+from hetfl.fl.checkpoint import Resumed, StageCheckpoint, stop_deferred
 from hetfl.fl.client import ClientEnv, client_task
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import accuracy_report, autocast, check_precision, minibatches, prepare, stop_deferred
+from hetfl.fl.precision import autocast, check_precision
+from hetfl.fl.training import accuracy_report, minibatches, prepare
 from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 

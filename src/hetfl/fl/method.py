@@ -29,7 +29,7 @@ from torch import nn
 from hetfl.data.base import ImageDataset
 from hetfl.fl.client import train_message
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import TrainConfig
+from hetfl.fl.train_config import TrainConfig
 from hetfl.models import MODEL_NAMES, build_model
 
 

@@ -1,25 +1,21 @@
-"""Local training and evaluation shared by every method.
+"""Local training and evaluation loops shared by every method.
 
 ``local_train`` is plain seeded minibatch SGD over an in-memory :class:`ImageDataset`; methods that
 change the local objective (FedProx, MOON, KD terms, ...) pass ``loss_fn`` instead of copying the
-loop. ``evaluate`` gives top-1 and per-class accuracy on a test split.
+loop. ``local_train_group`` trains several clients of one architecture at once as one vectorised
+network. ``evaluate`` gives top-1 and per-class accuracy on a test split (``predict_logits``, the
+logits alone).
+
+The settings are a :class:`~hetfl.fl.train_config.TrainConfig`; bf16 autocast comes from
+:mod:`hetfl.fl.precision` and a local training's resumable state from :mod:`hetfl.fl.checkpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import os
-import shutil
-import signal
-import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,89 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetfl.data.base import ImageDataset
-from hetfl.fl.payload import Payload, PayloadError
+from hetfl.fl.checkpoint import TrainCheckpoint, TrainState, stop_deferred
+from hetfl.fl.precision import autocast
+from hetfl.fl.train_config import TrainConfig
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Local optimiser settings (the paper defaults of DENSE/FedHydra client training)."""
-
-    epochs: int = 20
-    batch_size: int = 128
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    grad_clip: float | None = None
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
-    channels_last: bool = True  # 1.7x faster cnn2 training on AVX-512 CPUs, same accuracy
-
-    def __post_init__(self) -> None:
-        if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
-            raise ValueError(f"bad local training config: {self}")
-        check_precision(self.precision)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-def check_precision(precision: object, key: str = "precision") -> None:
-    """The one check of a precision setting (named ``key`` in the message), shared by every loop that
-    autocasts."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"{key} must be fp32 or bf16, got {precision!r}")
-
-
-def check_compile(device: torch.device) -> None:
-    """``torch.compile`` on a CPU generates C++: fail before any training where no compiler is found."""
-    compilers = (os.environ.get("CXX"), "g++", "c++", "clang++")
-    if device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
-        raise ValueError("compile: true needs a C++ compiler (g++, c++ or clang++ on the PATH, or $CXX) for "
-                         "torch.compile on a CPU; set compile: false")
-
-
-@functools.cache
-def bf16_native(device_type: str) -> bool:
-    """Whether bf16 convolutions and matmuls run on native kernels on this kind of device. A CPU needs
-    oneDNN's bf16 instructions (AVX-512 or AMX); without them torch emulates bf16, many times slower
-    than fp32 (measured on a 2-core AVX2 EPYC: a VGG-9 training step at batch 128 took 71-82 s in
-    bf16 autocast against 1.9-2.0 s in fp32, inference on 1,000 images 18.0 s against 2.7 s)."""
-    if device_type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):  # private op: fall back on the reported ISA
-            return torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return True
-
-
-_WARNED_EMULATED: set[str] = set()
-
-
-def warn_if_bf16_emulated(device: torch.device) -> None:
-    """One ``RuntimeWarning`` per process and device kind when bf16 is asked of a device that only
-    emulates it: the run is correct but may take tens of times longer than in fp32."""
-    if device.type in _WARNED_EMULATED or bf16_native(device.type):
-        return
-    _WARNED_EMULATED.add(device.type)
-    isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type
-    warnings.warn(f"precision bf16 on a {device.type} without native bf16 kernels ({isa}): torch emulates "
-                  "them, many times slower than fp32 (a VGG-9 training step 37x slower on an AVX2 CPU). "
-                  "Use precision fp32 on this machine; bf16 results compare only with bf16 runs.",
-                  RuntimeWarning, stacklevel=3)
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast for ``precision == "bf16"`` (warning once where bf16 is emulated), else nothing."""
-    if precision == "bf16":
-        warn_if_bf16_emulated(device)
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def prepare(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
@@ -132,160 +50,6 @@ def cross_entropy_loss(model: Callable[[torch.Tensor], torch.Tensor], x: torch.T
     return F.cross_entropy(model(x), y)
 
 
-CHECKPOINT_FORMAT = "hetfl-local-train/2"
-_PROGRESS = ("epoch", "step", "count", "loss", "seconds")  # what a checkpoint's metadata adds to its description
-
-
-def momentum_tensors(opt: torch.optim.Optimizer, prefix: str) -> dict[str, torch.Tensor]:
-    """An SGD optimiser's momentum buffers as ``{prefix + parameter index: buffer}`` (for a checkpoint;
-    parameters without one yet are left out)."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    return {f"{prefix}{i}": opt.state[p]["momentum_buffer"] for i, p in enumerate(params)
-            if opt.state.get(p, {}).get("momentum_buffer") is not None}
-
-
-def load_momentum(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], prefix: str) -> None:
-    """Set the buffers :func:`momentum_tensors` wrote (other keys are ignored); raises ValueError, before
-    changing anything, for a buffer that does not fit its parameter."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    found = {int(k[len(prefix):]): v for k, v in tensors.items()
-             if k.startswith(prefix) and k[len(prefix):].isdigit()}
-    bad = [i for i, v in found.items() if i >= len(params) or v.shape != params[i].shape]
-    if bad:
-        raise ValueError(f"momentum buffers {bad} do not fit the optimiser's parameters")
-    for i, buf in found.items():
-        opt.state[params[i]]["momentum_buffer"] = buf.to(params[i].device).clone()
-
-
-def _params(opt: torch.optim.Optimizer, params: list[torch.Tensor] | None) -> list[torch.Tensor]:
-    return params if params is not None else [p for group in opt.param_groups for p in group["params"]]
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer, prefix: str,
-                      params: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every per-parameter state of an optimiser (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``; SGD's
-    momentum) as ``{prefix + parameter index + "." + name: tensor}``, for a checkpoint; ``params``: only
-    these of its parameters, indexed in this order (default: all, in the optimiser's order)."""
-    params = _params(opt, params)
-    return {f"{prefix}{i}.{name}": torch.as_tensor(value) for i, p in enumerate(params)
-            for name, value in opt.state.get(p, {}).items() if value is not None}
-
-
-def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], prefix: str,
-                           params: list[torch.Tensor] | None = None) -> None:
-    """Set the states :func:`optimizer_tensors` wrote (with the same ``params``; other keys are ignored);
-    raises ValueError, before changing anything, for a state of a parameter that is not there or of
-    another shape."""
-    params = _params(opt, params)
-    found: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in tensors.items():
-        index, _, name = k[len(prefix):].partition(".")
-        if k.startswith(prefix) and index.isdigit() and name:
-            found.setdefault(int(index), {})[name] = v
-    bad = [i for i, state in found.items() if i >= len(params)
-           or any(v.dim() and v.shape != params[i].shape for v in state.values())]
-    if bad:
-        raise ValueError(f"optimiser states {bad} do not fit the optimiser's parameters")
-    for i, state in found.items():
-        # a scalar (Adam's step) stays on the CPU, where a non-fused, non-capturable Adam keeps it
-        opt.state[params[i]] = {name: (v.to(params[i].device) if v.dim() else v.cpu()).clone()
-                                for name, v in state.items()}
-
-
-@dataclass
-class TrainState:
-    """Where a local training stands: ``step`` batches of epoch ``epoch`` (0-based) done, ``batches``
-    the batch-order generator's state at that epoch's start (its order is drawn again on a resume and
-    the done batches skipped), ``total`` / ``count`` the epoch's loss sum so far, ``loss`` the last
-    finished epoch's mean loss, ``seconds`` the training time so far, all resumed parts together."""
-
-    epoch: int = 0
-    step: int = 0
-    batches: torch.Tensor | None = None
-    total: float = 0.0
-    count: int = 0
-    loss: float = float("nan")
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class TrainCheckpoint:
-    """Where :func:`local_train` keeps a resumable state of a long local training, and how often.
-
-    After a step, when ``every_s`` seconds have passed since the last save, and when the process was
-    asked to stop (SIGINT or SIGTERM: :func:`stop_deferred`), one safetensors file at ``path`` receives
-    the model's state, the SGD momentum buffers, the default CPU (and, on a GPU, the device's) random
-    state that dropout draws from and the :class:`TrainState`: no pickle, written atomically. A later
-    :func:`local_train` with the same checkpoint path goes on from that step, and on the same device
-    with the same thread count it ends with the same bits as a run that was never stopped (tested). The
-    caller keys ``path`` by everything that determines the training (the simulator: the upload-cache
-    key) and deletes it once the result is safe (:meth:`clear`). A file that cannot be read, or that was
-    written for another model, optimiser or configuration, is ignored with a warning: training starts
-    over."""
-
-    path: Path
-    every_s: float = 120.0
-
-    def _describe(self, cfg: TrainConfig, seed: int) -> dict[str, Any]:
-        return {"format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "seed": seed}
-
-    def save(self, state: TrainState, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
-             cfg: TrainConfig, seed: int) -> None:
-        tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | momentum_tensors(opt, "momentum.")
-        tensors["rng.batches"] = state.batches
-        tensors["rng.cpu"] = torch.get_rng_state()
-        tensors["epoch_loss"] = torch.tensor([state.total], dtype=torch.float64)
-        if device.type == "cuda":
-            tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-        meta = {**self._describe(cfg, seed), "epoch": state.epoch, "step": state.step, "count": state.count,
-                "loss": state.loss, "seconds": state.seconds}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        Payload(tensors, meta).write(self.path)  # atomic: an interrupted save leaves the previous checkpoint
-
-    def load(self, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, cfg: TrainConfig,
-             seed: int) -> TrainState | None:
-        """Restore a saved state into ``model``, ``opt`` and the default random streams and return
-        where the training stands, or None where there is nothing usable (nothing is then changed)."""
-        if not self.path.is_file():
-            return None
-        try:
-            saved = Payload.from_bytes(self.path.read_bytes())
-            if {k: v for k, v in saved.meta.items() if k not in _PROGRESS} != self._describe(cfg, seed):
-                raise PayloadError("written for another training configuration or seed")
-            weights = {k[len("model."):]: v for k, v in saved.tensors.items() if k.startswith("model.")}
-            if {k: v.shape for k, v in weights.items()} != {k: v.shape for k, v in model.state_dict().items()}:
-                raise PayloadError("its model state has other names or shapes")
-            if "rng.cuda" in saved.tensors and device.type != "cuda":
-                raise PayloadError("written on a GPU")
-            if not {"rng.batches", "rng.cpu", "epoch_loss"} <= set(saved.tensors):
-                raise PayloadError("it lacks the random states or the epoch's loss")
-            m = saved.meta
-            state = TrainState(int(m["epoch"]), int(m["step"]), saved.tensors["rng.batches"],
-                               float(saved.tensors["epoch_loss"][0]), int(m["count"]), float(m["loss"]),
-                               float(m["seconds"]))
-            load_momentum(opt, saved.tensors, "momentum.")  # last: it changes the optimiser once it fits
-        except (PayloadError, ValueError, KeyError, TypeError) as err:
-            warnings.warn(f"local training checkpoint {self.path} not used ({err}); training starts over",
-                          stacklevel=3)
-            return None
-        model.load_state_dict(weights)
-        torch.set_rng_state(saved.tensors["rng.cpu"])
-        if "rng.cuda" in saved.tensors:
-            torch.cuda.set_rng_state(saved.tensors["rng.cuda"], device)
-        return state
-
-    def saved_seconds(self) -> float:
-        """The training time the saved steps took, from the file's header alone (0 without a readable
-        checkpoint)."""
-        try:
-            return float(Payload.read_meta(self.path).get("seconds", 0.0))
-        except (OSError, PayloadError, ValueError, TypeError):
-            return 0.0
-
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
 @contextlib.contextmanager
 def weights_frozen(model: nn.Module) -> Iterator[None]:
     """Inside the block, ``model``'s trainable parameters do not require gradients, so a backward
@@ -299,39 +63,6 @@ def weights_frozen(model: nn.Module) -> Iterator[None]:
     finally:
         for p in trainable:
             p.requires_grad_(True)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def stop_deferred(notice: str | None = None) -> Iterator[Callable[[], signal.Signals | None]]:
-    """Hold SIGINT and SIGTERM back inside the block: a signal that arrives is only recorded, and the
-    function yielded returns it (None while none came), so that a loop can finish its step, save and
-    leave the block (raising KeyboardInterrupt). On the way out the previous handlers come back and a
-    recorded signal is delivered to them: Python's SIGINT handler raises KeyboardInterrupt, the default
-    SIGTERM ends the process. Outside the main thread (where handlers cannot be set) and for a signal
-    the process ignores, nothing changes. ``notice``, when given, is printed to stderr on the first
-    signal (for a step long enough that a silent wait would look like a hang)."""
-    got: list[signal.Signals] = []
-    previous: dict[signal.Signals, Any] = {}
-
-    def record(num: int, _frame: Any) -> None:
-        if notice is not None and not got:
-            print(f"\n{notice} ({signal.Signals(num).name})", file=sys.stderr, flush=True)
-        got.append(signal.Signals(num))
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, record)
-    try:
-        yield lambda: got[0] if got else None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if got:
-            signal.raise_signal(got[0])
 
 
 def local_train(

@@ -14,9 +14,10 @@ from typing import ClassVar
 
 from torch import nn
 
+from hetfl.fl.checkpoint import TrainCheckpoint
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.fl.training import TrainCheckpoint, local_train
+from hetfl.fl.training import local_train
 
 
 @register("central")

@@ -18,26 +18,15 @@ On the shared loop (:mod:`hetfl.fl.datafree`), with the facts of the public impl
   ``T^2 KL(P/T || s/T)`` with T = 4; the student's gradient norm clipped to 10 (``grad_clip``);
   SGD lr 0.01, momentum 0.9, weight decay 1e-4, cosine schedule; batch 128.
 
-``distill_precision: bf16`` (off by default) autocasts the ODS passes through the teachers as well
-as the student's forward: with cnn2 teachers those two passes are about 87 % of a fp32 KD step's time
-(118 ms per step at batch 128 on a 2-vCPU EPYC with avx512_bf16, 72 in bf16;
-``scripts/bench_coboosting_kd.py``, docs/BENCHMARKS.md). The
-teachers' logits are cast back to fp32 and the images stay fp32, so the ODS step and the KD loss are
-computed in fp32; only the signs of gradient entries near zero may differ.
+``distill_precision: bf16`` (ours, off by default) autocasts the ODS passes through the teachers as
+well as the student's forward; the teachers' logits are cast back to fp32 and the images stay fp32,
+so the ODS step and the KD loss are computed in fp32 (only the signs of near-zero gradient entries
+may differ).
 
 Stated deviations: ODS step ``ods_eta`` = 4/255 in [0, 1] pixel space (the reference uses 8/255 in
 mean=std=0.5 normalised space, the same step); the pool lives in memory as uint8 tensors; the
 ensemble re-weighting pass takes the pool's batches as generated (the code's loader shuffles them
 for it too: the same samples and steps, in another order).
-
-Until the fifty-ninth session both clips were missing here (``grad_clip`` and
-``generator_grad_clip`` 0), and the KD pass took the pool's batches as generated, oldest first
-(``pool_shuffle`` false): the Co-Boosting results of earlier runs are without all three. Their
-summaries have no ``params`` in the method's result, which every run records since (the settings
-with the defaults filled in), so the reports can tell the two apart (docs/results/fedhydra-notes.md,
-fifty-ninth section). Those runs' largest student gradient norm per epoch (``kd_grad_max``) was
-above 10 in every epoch of the paper-budget MNIST 2c/c run (median 20-27, up to 84), so the
-reference's clip binds.
 """
 
 from __future__ import annotations
@@ -50,7 +39,7 @@ from torch import nn
 
 from hetfl.fl.datafree import Batch, DataFreeConfig, DataFreeDistiller, Recipe, kl_div
 from hetfl.fl.method import ServerContext, derive_seed, register
-from hetfl.fl.training import autocast
+from hetfl.fl.precision import autocast
 from hetfl.methods.common import DataFreeMethod
 
 
@@ -94,8 +83,8 @@ class CoBoostingRecipe(Recipe):
 
     @staticmethod
     def _teacher_logits(engine: DataFreeDistiller, x: torch.Tensor) -> torch.Tensor:
-        """The teachers' logits under ``distill_precision`` (in fp32 about 87 % of a KD step's
-        time is in these passes), cast back to fp32, so the aggregate, the ODS step and the loss stay fp32."""
+        """The teachers' logits under ``distill_precision`` (the ODS passes, most of a KD step's time),
+        cast back to fp32, so the aggregate, the ODS step and the loss stay fp32."""
         with autocast(engine.ctx.device, engine.cfg.distill_precision):
             return engine.teacher_logits(x)
 

@@ -11,7 +11,7 @@ from torch import nn
 from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller, Recipe, config_key
 from hetfl.fl.method import OneShotMethod, ServerContext
 from hetfl.fl.payload import Payload, PayloadError
-from hetfl.fl.training import check_compile
+from hetfl.fl.precision import check_compile
 
 
 def classifier_from_upload(upload: Payload, client_id: int, ctx: ServerContext) -> nn.Module:

@@ -19,11 +19,7 @@ Choices and deviations, stated:
 * The student starts from random initialisation, as in DENSE.
 * The KD pass draws its batches each epoch from the samples of the whole pool in a seeded random
   order (``pool_shuffle: true``), as DENSE's code does with a shuffled DataLoader over every pooled
-  image. Before the sixty-sixth session the default was the order generated (this epoch's batch,
-  then the pool oldest first: ``pool_shuffle: false``), and every DENSE result archived until then
-  ran so; the report marks those †. Measured at the `reduced` budget (MNIST Dir(0.5), Dir(0.01),
-  2c/c, seed 0, the same uploads; best over epochs): 75.87 / 10.91 / 12.99 % in pool order against
-  75.60 / 10.85 / 16.33 % reshuffled (docs/results/fedhydra-notes.md, fifty-ninth section).
+  image; ``pool_shuffle: false`` takes this epoch's batch, then the pool oldest first.
 """
 
 from __future__ import annotations

@@ -14,36 +14,26 @@ distilled from the same ensemble of all clients; the outcome FedMHO reports is "
 of each model prototype", ``feddf[vote]`` = the uniform mean of the students' logits (as FedMHO's
 code votes for FedAvg). The headline stays the server architecture's student; the others are
 reported as ``feddf[<arch>]``. ``prototypes: server`` (the default) distils the server's alone.
-Runs before the fortieth session started a heterogeneous run's student from scratch whatever
-the clients' architectures (now ``init: random``).
 
 Defaults from the public code: Adam lr 1e-3 with cosine decay, batch 128. Budget: ``steps``
 server batches (the README uses 10,000; default 2,000 here). The public code early-stops on a
 held-out validation split; we report the final model and the best test accuracy over
 evaluations (every ``eval_every`` steps), as the other one-shot methods do.
 Teacher logits on the auxiliary set are computed once (the teachers are fixed and there is no
-augmentation), not per step; that pass has its own progress bar and its seconds are recorded
-(``teacher_seconds``, then ``distill_seconds``): with five VGG-9 teachers on 60,000 images it is
-most of the first evaluation interval (18.6 min against 1.9 s per student step on a 2-core AVX2 CPU).
-The teachers run in channels_last for that pass (VGG-9 inference 2.5 s per 1,000 images against
-3.2-3.7 s contiguous there; logits equal up to float summation order, 1.7e-8).
+augmentation), not per step, with the teachers in channels_last; that pass has its own progress
+bar and its seconds are recorded (``teacher_seconds``, then ``distill_seconds``).
 
-Checkpoints (ours; the public code has none): the teachers' logits are kept in ``teacher-logits.safetensors``
-once computed, and each student's distillation saves its state (weights, Adam's moments, the
-schedule's step, the batch generator's and the default random states, the evaluations so far:
-:class:`~hetfl.fl.checkpoint.StageCheckpoint`) every
-``CHECKPOINT_EVERY_S`` seconds, at its last step, and on SIGINT or SIGTERM after the step under way,
-in the method's folder (safetensors, no pickle). The same run again goes on from there (a device
-call stopped by its deadline loses at most a step); the files go once the method is done. A resumed
-distillation ends where an uninterrupted one does, to the bit on the same device and thread count. The
-files keep the wall seconds spent on them, so a resumed run's ``seconds``, ``server_seconds``,
-``teacher_seconds`` and ``distill_seconds`` count the earlier runs' work too (``seconds_before_resume``).
+Checkpoints (ours; the public code has none): the teachers' logits are kept in
+``teacher-logits.safetensors`` once computed, and each student's distillation saves its state
+(:class:`~hetfl.fl.checkpoint.StageCheckpoint`) every ``CHECKPOINT_EVERY_S`` seconds, at its last
+step, and on SIGINT or SIGTERM after the step under way. The same run again goes on from there and
+ends where an uninterrupted one does (bitwise, on the same device and thread count); the files go once
+the method is done. A resumed run's seconds count the interrupted run's work too (``seconds_before_resume``).
 
-``precision: bf16`` (ours, default fp32 as every archived run): bf16 autocast for the teachers' pass
-and the students' training forwards, with the students in channels_last too, for CPUs with native
-bf16 and for GPUs. The teachers' logits are averaged and kept in fp32 (:class:`Ensemble`), the KL is
-taken in fp32, Adam's state and the weights stay fp32, and the engine's evaluations stay fp32.
-Measured in docs/BENCHMARKS.md.
+``precision: bf16`` (ours, default fp32): bf16 autocast for the teachers' pass and the students'
+training forwards, with the students in channels_last too. The teachers' logits are averaged and
+kept in fp32 (:class:`Ensemble`), the KL is taken in fp32, Adam's state and the weights stay fp32,
+and the engine's evaluations stay fp32.
 """
 
 from __future__ import annotations
@@ -61,17 +51,12 @@ from torch import nn
 
 from hetfl.data import ImageDataset, load_dataset
 from hetfl.fl.aggregate import Ensemble, vote, weighted_average
-from hetfl.fl.checkpoint import Resumed, StageCheckpoint, load_matching
+from hetfl.fl.checkpoint import Resumed, StageCheckpoint, load_matching, stop_deferred
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.method import OneShotMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.fl.training import (
-    autocast,
-    check_precision,
-    predict_logits,
-    prepare,
-    stop_deferred,
-)
+from hetfl.fl.precision import autocast, check_precision
+from hetfl.fl.training import predict_logits, prepare
 from hetfl.methods.common import client_models, group_by_arch
 
 CHECKPOINT_EVERY_S = 120.0  # a student's distillation saves its state this often (and at its end)

@@ -1,83 +1,42 @@
 """FedHydra: one-shot, data-free FL by model stratification and stratified aggregation.
 
 Paper: "A Unified Solution to Diverse Heterogeneities in One-Shot Federated Learning"
-(../shared/seeds/001_*.txt). Algorithm 1, with:
+(../shared/seeds/001_*.txt), Alg. 1:
 
-* **Model stratification** (Alg. 2, Eq. 1-7). For client k and class j a freshly initialised
-  generator is trained for T_G steps on ``CE(F_k(G(z)), j)`` (Eq. 1) alone; the loss trajectory
-  ``L_kj`` gives ``u_kj = (max L_kj - min L_kj) / min L_kj`` (Eq. 2). ``U`` is c x m (Eq. 3);
-  ``U_r`` normalises each row over clients (Eq. 4-5), ``U_c`` each column over classes (Eq. 6-7).
-  The c generators of one client are trained in lockstep: one graph per step stacks their
-  outputs, the teacher sees all c x b images in one pass, and one Adam steps the sum of their
-  losses. Adam is element-wise and the generators share no parameters, so this equals c separate
-  runs (``stratify_reference`` is that loop; the tests compare the two). On a 2-core AVX2 CPU the
-  generators' convolutions dominate and cost the same either way (``torch.func.vmap`` measured
-  2.3x slower, grouped convolutions 2.5x slower); the stage is kept under 10 % of the generation
-  stage by its smaller batch (``strat_batch_size`` 64 vs 256, and m*c = 50 runs vs T_g = 200:
-  6.25 % of the generator steps x images). With ``channels_last`` (the loop's default) the teachers
-  are put in NHWC before stratification, as the loop puts them after it: 1.2x on the stage on an AMX
-  Xeon (47.7 against 57.6 s per client in fp32), U within 3 % (float summation order). bf16 over
-  the whole step (the teacher too) was measured and not offered: it halved U's entries on random
-  teachers (a bias, not noise). ``strat_precision: bf16`` (default ``fp32``) puts only the
-  generators' forwards under bf16 autocast: the teacher sees fp32 images (bf16's 8-bit mantissa
-  is the resolution of a uint8 image) and the CE of Eq. 1 stays float64. Measured on an AMX Xeon
-  (MNIST Dir(0.5), five cnn2 uploads, the paper's T_G = 30 and batch 64): 2.07x faster (15.5
-  against 32.1 s per client), U's entries 0.9 % apart at the median and 7 % at most, with no
-  direction (mean log-ratio 0.002, sd 0.019; on two random teachers 0.003 and 0.017, where bf16
-  teachers halved U), the same best client for every class, U_r and U_c within 0.015
-  (docs/BENCHMARKS.md).
-* **Stratified aggregation** (Alg. 3, Eq. 8-11): ``P_hat_k = P_k * U_c[:, k]`` and
-  ``P[i] = sum_k U_r[y_i, k] * P_hat_k[i]``, one einsum over the (m, b, c) logits.
-* **Data generation** (Eq. 12-16): ``L_gen = CE(P, y) + lambda_1 L_BN + lambda_2 L_AD`` with ``L_BN``
-  the DeepInversion loss averaged over clients (1/m sum_k sum_l) and ``L_AD = -KL(P || F_g(x))``.
+* **Model stratification** (Alg. 2, Eq. 1-7): per client k and class j a fresh generator is trained
+  T_G steps on ``CE(F_k(G(z)), j)`` (Eq. 1); its loss trajectory gives ``u_kj = (max - min) / min``
+  (Eq. 2), U is c x m (Eq. 3), ``U_r`` normalises its rows over clients (Eq. 4-5), ``U_c`` its
+  columns over classes (Eq. 6-7). A client's c generators train in lockstep (one graph, one Adam
+  over the summed losses), which equals c separate runs (``stratify_reference``; tested).
+* **Stratified aggregation** (Alg. 3, Eq. 8-11): ``P_hat_k = P_k * U_c[:, k]``,
+  ``P[i] = sum_k U_r[y_i, k] * P_hat_k[i]``.
+* **Data generation** (Eq. 12-16): ``L_gen = CE(P, y) + lambda_1 L_BN + lambda_2 L_AD``, ``L_BN`` the
+  DeepInversion loss averaged over clients, ``L_AD = -KL(P || F_g(x))``.
 * **Model distillation** (Eq. 17-19): ``L_glo = KL(P || F_g(x)) + beta * CE(F_g(x), argmax P)``.
 
-Choices where the paper is silent (stated, and exposed as keys):
-* The generator is initialised once before the loop and keeps its Adam state across epochs
-  (Alg. 1 line 10); each epoch samples new z and labels (line 12); z is not optimised.
-* The global model is distilled on every intermediate synthetic batch of the epoch (the T_G
-  batches of Sec. 2's "all generated intermediates"), one SGD step per batch; earlier epochs'
-  batches are not replayed unless ``pool_size``/``replay`` say so (DENSE's full replay is
-  O(T_g^2) and does not fit a CPU at T_g = 200).
-* ``beta`` is not given: default 1. Temperature of both KL terms: 1 (Eq. 15, 17 have none).
-* ``u_transform: log1p`` (not in the paper; default ``none``) normalises ``log(1 + U)`` instead of
-  ``U``. With confident client models the minimum CE of Eq. 2 falls to ~1e-5 and ``u`` spans
-  five orders of magnitude (measured on MNIST, Dir(0.1)); Eq. 8 then scales whole classes' logits
-  by near-zero weights, and the distilled student inherits that per-class gain (see
-  docs/results/fedhydra.md). ``log1p`` keeps the ordering of U and compresses its range.
-  ``u_transform_on: rows | columns`` (default ``both``) feeds the transformed U to U_r (Eq. 5) or
-  U_c (Eq. 7) only, the other from U as written: an ablation of where the compression acts.
-* Ablation keys (not in the paper): ``aggregation: mean`` replaces Eq. 8-11 by the plain average
-  of client logits (DENSE's teacher) while keeping FedHydra's losses; ``reset_generator: true``
-  re-initialises the generator every epoch as DENSE does (z is still not optimised);
-  ``adv_mask: disagree`` restricts Eq. 15's KL to the samples on which the student's arg max
-  differs from P's, as DENSE's public code does; ``adv_mask: agree`` to the samples where they
-  agree (the "decision adversarial" mask of the data-free KD code DENSE builds on: the term
-  vanishes once the student disagrees, so it is bounded). Default ``none``: Eq. 15 on every sample.
-  Eq. 15 unmasked with a generator that is never reset is unbounded below: measured on MNIST
-  alpha = 0.5 it costs ~20 points with the mean ensemble (docs/results/fedhydra.md).
-* ``column_scale: mean`` (not in the paper; default ``sum`` = Eq. 7) multiplies U_c by c. Eq. 7
-  makes each column sum to 1, so with near-uniform weights Eq. 8 divides every logit by ~c: a
-  teacher temperature of ~c in Eq. 13, 15 and 17 that the paper does not mention. Scaling by c
-  keeps the relative weights and the argmax of P and removes that temperature.
-* The FedHydra authors' public code snapshot (github.com/Jun-B0518/ICDE2025-FL-SA; read for facts,
-  no code taken) runs a different loop from the one the paper's text describes: DENSE's (generator
-  and z re-initialised and trained every epoch, the adversarial KL masked to teacher/student
-  disagreement, the lowest-loss batch kept, the whole pool distilled every epoch), with Eq. 19's
-  CE weight defaulting to 0. ``fedhydra`` follows the text; ``fedhydra_dense`` (below) is that loop.
-* ``saturated: max`` (not in the paper; default ``eq2`` = Eq. 2 as written). A client that holds
-  one class only (common under Dir(0.01)) calls every input that class with a logit margin of
-  25-41 on the untrained generator's output (measured, MNIST/Fashion-MNIST Dir(0.01), local E =
-  10). Its CE on that class starts at 1e-17..1e-12, the generator's gradient is ~e^-margin and
-  Adam's step ~lr * g / eps is ~1e-13, so the trajectory is flat and Eq. 2 gives ``u = 0``: the
-  only client that knows the class gets weight 0 for it, while the paper's reading of Eq. 2 is
-  that "a lower minimum loss value indicates stronger guidance". ``saturated: max`` gives every
-  (client, class) whose minimum CE is below ``SATURATED_CE`` (1e-8; ordinary owners' minima are
-  1e-5..1e-3) the largest ``u`` in U. The minima are saved beside U (``L_min``).
-* Stratification uses its own batch ``strat_batch_size`` (default 64: Alg. 2 says "a batch";
-  the loss trajectory, not the images, is what is used) and the generator's default Adam
-  (lr ``generator_lr``, betas 0.5/0.999, as DENSE). Labels are uniform; the student starts
-  from random initialisation; no augmentation.
+Choices the paper leaves open (defaults):
+* G is initialised once and keeps its Adam state across epochs (Alg. 1 line 10); each epoch draws new
+  z and uniform labels (line 12); z is not optimised. The student starts from scratch; no augmentation.
+* One student SGD step per batch of the epoch's T_G ("all generated intermediates"); earlier epochs'
+  batches are replayed only as ``pool_size`` / ``replay`` say. ``beta`` = 1; temperature 1 (Eq. 15, 17).
+* Stratification: batch ``strat_batch_size`` = 64 (Alg. 2: "a batch"), Adam at ``generator_lr`` with
+  betas 0.5/0.999 (DENSE's); ``strat_precision: bf16`` autocasts only the generators' forwards.
+Variants (not in the paper; off by default):
+* ``u_transform: log1p`` normalises ``log(1 + U)``: confident clients make Eq. 2's u span orders of
+  magnitude, and Eq. 8 then scales whole classes by near-zero weights. ``u_transform_on: rows |
+  columns`` applies it to U_r (Eq. 5) or U_c (Eq. 7) only.
+* ``column_scale: mean`` multiplies U_c by c: Eq. 7's unit column sums divide near-uniform logits by
+  ~c, a teacher temperature in Eq. 13, 15 and 17 that the paper does not state.
+* ``saturated: max``: a one-class client's CE trajectory on its class is flat near 0, so Eq. 2 gives
+  it u = 0; entries whose minimum CE is below ``SATURATED_CE`` get U's largest u instead ("a lower
+  minimum loss value indicates stronger guidance"). The minima are saved as ``L_min``.
+* ``aggregation: mean`` (DENSE's average teacher, FedHydra's losses); ``reset_generator`` and
+  ``optimize_z`` (G and z re-drawn and trained each epoch, as DENSE); ``keep: best`` (the epoch's
+  lowest-loss batch); ``adv_mask: disagree | agree`` (Eq. 15 on the samples where student and P
+  disagree, as DENSE's code, or agree, which bounds it).
+* The authors' public code (github.com/Jun-B0518/ICDE2025-FL-SA; read, none taken) runs DENSE's loop
+  with Eq. 19's CE weight 0 by default; ``fedhydra`` follows the paper's text, the preset
+  ``fedhydra_dense`` the code's loop.
 """
 
 from __future__ import annotations
@@ -92,7 +51,7 @@ from torch import nn
 
 from hetfl.fl.datafree import DataFreeConfig, DataFreeDistiller, Recipe, kl_div
 from hetfl.fl.method import ServerContext, derive_seed, register
-from hetfl.fl.training import autocast, check_precision
+from hetfl.fl.precision import autocast, check_precision
 from hetfl.methods.common import DataFreeMethod
 from hetfl.models.generator import Generator
 
@@ -310,7 +269,7 @@ class FedHydra(DataFreeMethod):
                 ctx.add_prior_seconds(saved["seconds"])
         else:
             start = time.perf_counter()
-            if cfg.channels_last:  # the teachers in NHWC as in the loop after it: 1.2x here (docs/BENCHMARKS.md)
+            if cfg.channels_last:  # the teachers in NHWC, as the loop after it puts them
                 teachers = [t.to(memory_format=torch.channels_last) for t in teachers]
             L = stratify_losses(teachers, ctx.num_classes, ctx.shape, cfg.generator_steps,
                                 self.params["strat_batch_size"], cfg.generator_lr, cfg.nz, ctx.seed, ctx.device,

@@ -2,65 +2,41 @@
 generative clients.
 
 Paper: "FedMHO: Heterogeneous One-Shot Federated Learning Towards Resource-Constrained Edge
-Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Algorithm 1 and 2:
+Devices" (Yao, Shi, Liu, Xu; ../shared/seeds/004_*.txt), Alg. 1 and 2:
 
-* **Clients** (Alg. 1 lines 3-7). Classification clients train their classifier with CE (Eq. 2)
-  and upload it: they get the ordinary ``train_classifier`` request, byte-identical to the other
-  methods' requests, so their uploads come from the shared upload cache. Generative clients train
-  a CVAE with ``recon + KL`` (Eq. 3, Adam) and upload only the decoder (``train_cvae`` task); the
-  label histogram travels in the upload's metadata, as in the paper ("send the CVAE decoders and
-  the local label distributions").
-* **Initialisation** (Eq. 4): ``w_0 = 1/|K_C| sum_k w_k``, the *plain* mean of the classification
-  clients (Eq. 4 as written; ``init_weights: samples`` weighs by sample count instead, as FedAvg
-  does). When the classification clients do not all use the server architecture, ``w_0`` is
-  obtained by ensemble distillation instead (Sec. 5.6): a fresh server model is trained with
-  ``KL(mean client logits || student)`` on the filtered synthetic set for ``init_epochs`` epochs
-  (Adam, ``init_lr``). The paper does not say on which data; the synthetic set is the only data
-  the server has. ``init: random`` (ours, an ablation of Eq. 4) keeps the server model's fresh
-  initialisation, which Sec. 4.2.3 says the average beats ("compared with random parameter
-  initialization"); SD's teacher is then that random model, as in the official code with
-  ``one_shot=True``.
-* **Data generation** (Sec. 4.2.2, Alg. 1 lines 10-14): ``num_samples`` (N, default 6,000) images.
-  The split follows the official code (the paper only says "according to client k's label
-  distribution"): N/C per class, and class c's budget is split among the decoders with weights
-  ``count_kc^2 / sum_k count_kc^2`` (uniform if no generative client holds c); each split uses
-  the largest-remainder rule so the totals are exact. ``z ~ N(0, I)`` (untruncated, as the code).
-* **Unsupervised data optimisation** (Alg. 2): per class, 1-cluster K-means on the flattened
-  pixels (the paper's Sec. 4.4 and the code's default; the centre is the class mean) keeps the
-  ``round(R_th * n_c)`` samples closest to the centre (halves rounded up); ``r_th`` 0.8.
-  ``filter: false`` skips it (Table 6; the paper then uses as many samples as the filter keeps,
-  i.e. set ``num_samples`` to 0.8 N).
-* **Knowledge fusion**: FedMHO trains ``w`` on the synthetic set with CE (Eq. 5). FedMHO-MD adds
-  ``KL(mean_k h_k(x) || h(x))`` over the classification clients (Eq. 6); FedMHO-SD uses the frozen
-  ``w_0`` as the teacher (Eq. 7); both minimise ``lam * CE + (1 - lam) * KL`` (Eq. 8, lam = 0.5).
-  KL is the per-sample KL at temperature 1 (the equations have none), averaged over the batch;
-  the official code uses torch's ``KLDivLoss()`` default, which also divides by the number of
-  classes, and weight 1 for both terms (``kl_reduction: mean`` reproduces that reduction). The
-  teachers are fixed and there is no augmentation, so their logits are computed once. MD and SD
-  record what their teacher says on the filtered synthetic set (``teacher`` in the summary: mean
-  softmax entropy, argmax agreement with the synthetic labels overall and per class): a class the
-  teacher never predicts is a class the KD term pulls away from its label, and a random SD teacher
-  (``init: random``) is typically near-uniform (the entropy shows how near), and then its KD term
-  is only a confidence penalty.
-* ``freeze_bn`` (ours, default false): the paper's VGG-9 has no BatchNorm, so its server stage
-  cannot re-estimate normalisation statistics on the synthetic set; with a BatchNorm server model
-  (the reduced budget's cnn2) ``freeze_bn: true`` keeps those layers in eval mode during knowledge
-  fusion (fixed affine maps, the running statistics of ``w_0``), which is the closest a BN model
-  comes to the paper's setting. The KD teachers are always evaluated in eval mode.
-* ``precision: bf16`` and ``channels_last`` (ours, defaults fp32 and false, as every archived run):
-  bf16 autocast and NHWC for the server's training steps and per-epoch evaluations
-  (:func:`hetfl.fl.generative.train_on_synthetic`), for CPUs with native bf16; the teachers' logits
-  and the engine's evaluation of the final model stay fp32.
-* Defaults per dataset (Table 3): server epochs 10 / 20 / 20 / 30 and Adam lr 1e-5 / 5e-4 / 5e-5
-  / 5e-5 for MNIST / Fashion / SVHN / EMNIST (others: 20 and 1e-4, the code's CIFAR-10 values);
-  CVAE Adam lr 5e-2 / 5e-2 / 1e-3 / 3e-3 and 30 / 40 / 40 / 50 local epochs (others 1e-3, 30);
-  batch 64 for both. ``null`` in a config means "the paper's value for this dataset".
-* Test accuracy is logged after every server epoch (epoch 0 = ``w_0``), which draws the
-  knowledge-forgetting curve of Fig. 6; the headline model is the last epoch's, and ``<name>[init]``
-  is ``w_0``. Generated images stay float tensors in memory (no uint8 round trip).
-* Checkpoints (ours; the public code has none): the server's training on the synthetic set, and the
-  ensemble-distillation initialisation, are resumable stages (:meth:`GenerativeMethod.train_stage`).
-  The synthetic set is not saved: a resumed run draws it again from the same decoders and seeds.
+* **Clients** (Alg. 1 lines 3-7): classification clients train with CE (Eq. 2) and upload their
+  classifier (the shared ``train_classifier`` request, so the upload cache serves them); generative
+  clients train a CVAE with ``recon + KL`` (Eq. 3, Adam) and upload the decoder and their label
+  histogram (``train_cvae``).
+* **Initialisation** (Eq. 4): ``w_0 = 1/|K_C| sum_k w_k``, the plain mean of the classification
+  clients; with heterogeneous classifiers, ensemble distillation (Sec. 5.6): a fresh server model
+  trained with ``KL(mean client logits || student)`` for ``init_epochs`` (Adam, ``init_lr``).
+* **Data generation** (Alg. 1 lines 10-14): ``num_samples`` N = 6,000 images, ``z ~ N(0, I)``.
+* **Unsupervised data optimisation** (Alg. 2): per class, 1-cluster K-means on the flattened pixels
+  keeps the ``round(R_th * n_c)`` samples nearest the centre (halves up), ``r_th`` = 0.8.
+* **Knowledge fusion**: FedMHO trains on the synthetic set with CE (Eq. 5); MD adds
+  ``KL(mean_k h_k(x) || h(x))`` over the classification clients (Eq. 6), SD uses the frozen ``w_0``
+  as teacher (Eq. 7); both minimise ``lam * CE + (1 - lam) * KL`` (Eq. 8, lam = 0.5).
+
+Choices the paper leaves open (defaults; the authors' code where it decides):
+* Distillation init data: the synthetic set, the only data the server has.
+* Per-class budget (the code): N/C per class, split among the decoders by ``count_kc^2 / sum_k
+  count_kc^2`` (uniform if no decoder holds c), largest-remainder rounding; z untruncated (the code).
+* KL: per sample at temperature 1 (the equations have none), batch mean; the code's ``KLDivLoss()`` also
+  divides by the class count (``kl_reduction: mean``; the presets ``fedmho_md_klmean``, ``fedmho_sd_klmean``).
+* Fixed teachers, no augmentation: teacher logits computed once. MD and SD record their teacher's
+  entropy and argmax agreement with the synthetic labels (``teacher`` in the summary).
+* Per-dataset defaults (Table 3; ``null`` = the paper's value): server epochs 10 / 20 / 20 / 30 and
+  Adam lr 1e-5 / 5e-4 / 5e-5 / 5e-5 for MNIST / Fashion / SVHN / EMNIST (others 20, 1e-4: the code's
+  CIFAR-10); CVAE lr 5e-2 / 5e-2 / 1e-3 / 3e-3, 30 / 40 / 40 / 50 epochs (others 1e-3, 30); batch 64.
+* Accuracy after every server epoch (epoch 0 = ``w_0``, Fig. 6's forgetting curve); the headline is
+  the last epoch's model, ``<name>[init]`` is ``w_0``.
+Ours (not in the paper): ``init_weights: samples`` (w_0 by sample count); ``init: random`` (no Eq. 4,
+as the code's ``one_shot=True``; SD's teacher is then that model); ``filter: false`` (no Alg. 2,
+Table 6); ``freeze_bn`` (BatchNorm in eval mode during fusion: the paper's VGG-9 has none);
+``precision: bf16`` / ``channels_last`` for the server's training (teacher logits and the final
+evaluation stay fp32); resumable server stages (:meth:`GenerativeMethod.train_stage`), with the
+synthetic set drawn again from the same decoders and seeds on a resume.
 """
 
 from __future__ import annotations

@@ -11,13 +11,10 @@ parameters and statistics that follow them are mapped through ``T``. The output 
 is never permuted. The aligned models are then averaged (uniformly, as in the reference, or by
 sample count with ``weighting: samples``).
 
-Measured: hetfl's clients of one architecture start from one shared initialisation (DENSE's
-choice, :meth:`~hetfl.fl.method.ServerContext.init_seed`). In FedHydra's three paper-budget cells
-(MNIST 2c/c, Fashion-MNIST 2c/c and Dir(0.01), cnn2, 200 local epochs), every neuron of every
-client was still nearest its own initial counterpart: every transport plan is the identity. So there
-OT fusion equals the uniform parameter average (equal to FedAvg where the clients hold equal shares,
-as at Fashion-MNIST 2c/c). Singh & Jaggi's alignment matters for models trained from different
-initialisations.
+hetfl's clients of one architecture start from one shared initialisation (DENSE's choice,
+:meth:`~hetfl.fl.method.ServerContext.init_seed`); where every neuron stays nearest its own initial
+counterpart, every transport plan is the identity and OT fusion equals the uniform parameter average.
+Singh & Jaggi's alignment matters for models trained from different initialisations.
 
 Only homogeneous clients with chain architectures (each layer feeds the next: cnn2, cnn3, lenet5,
 simplecnn, vgg9). Residual and branching networks (resnet18, googlenet, mobilenetv2,

@@ -106,8 +106,8 @@ class _InterleaveParities(torch.autograd.Function):
     ``(2p + a, 2q + c)`` is ``y[:, a, c, :, p + a, q + c]``. The offset of that element in ``y``'s
     storage is linear in (b, o, p, a, q, c), so all four parities are one strided view of ``y`` and
     the interleave is one copy each way, in ``y``'s layout. Autograd's own backward of slices and
-    stacks zero-fills a full copy of ``y`` per slice (125 ms of a 600 ms generator step at batch 256,
-    docs/BENCHMARKS.md); here only each parity's unused border row and column are zeroed."""
+    stacks zero-fills a full copy of ``y`` per slice (a large share of a generator step: docs/BENCHMARKS.md);
+    here only each parity's unused border row and column are zeroed."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, h: int, w: int) -> torch.Tensor:  # type: ignore[override]
@@ -142,7 +142,7 @@ def _parity_view(y: torch.Tensor, h: int, w: int) -> torch.Tensor:
 def _is_channels_last(t: torch.Tensor) -> bool:
     """NHWC and not also NCHW (a tensor with one channel or 1 x 1 pixels is both). A generator moved
     to channels_last runs every layer in NHWC: a layout that changes inside the network makes the
-    elementwise backward kernels mix layouts (LeakyReLU's backward 1.7 -> 41 ms at batch 256, bf16)."""
+    elementwise backward kernels mix layouts, which makes them many times slower."""
     return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 

@@ -1,0 +1,74 @@
+"""An experiment ready to run: a validated config with its dataset loaded and partitioned over the
+clients (:func:`prepare`), on the device it names (:func:`resolve_device`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetfl.config import ConfigError, check_device, client_archs
+from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
+from hetfl.methods.checks import check_methods
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = the GPU if torch sees one, else the CPU; a named device must be on this machine
+    (a :class:`ConfigError` says so before any data is loaded, instead of torch failing mid-run)."""
+    check_device(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"device: {name!r} asked for, but torch {torch.__version__} ({built}) sees no "
+                              "CUDA GPU here; use device auto or cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r} asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device: {name!r} asked for, but torch sees no MPS device here; use auto or cpu")
+    return device
+
+
+@dataclass
+class Experiment:
+    """A validated config with its data loaded and partitioned."""
+
+    cfg: dict[str, Any]
+    splits: DatasetSplits
+    partition: Partition | None  # None on a remote server, which never sees the clients' data
+    archs: list[str]
+    device: torch.device
+    client_data: list[ImageDataset] = field(init=False)
+
+    def __post_init__(self) -> None:
+        indices = self.partition.indices if self.partition is not None else []
+        self.client_data = [self.splits.train.subset(torch.from_numpy(idx)) for idx in indices]
+
+    def fingerprint(self, client_id: int) -> dict[str, Any]:
+        idx = self.partition.indices[client_id]
+        return {
+            "dataset": self.cfg["dataset"], "data": self.cfg["data"], "partition": self.cfg["partition"],
+            "clients": self.cfg["clients"], "seed": self.cfg["seed"], "client": client_id,
+            "indices": hashlib.sha256(idx.astype(np.int64).tobytes()).hexdigest(),
+        }
+
+
+def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool = True,
+            splits: DatasetSplits | None = None) -> Experiment:
+    """Load the dataset and make the partition (fails early on bad partitions). A remote
+    server (``partitioned=False``) only evaluates on the test split and never partitions. ``splits``:
+    the dataset, already loaded with ``cfg``'s dataset and data settings (a caller that prepares many
+    cells of one dataset loads it once)."""
+    check_methods(cfg)  # an unknown method or parameter fails before the data loads
+    device = resolve_device(cfg["device"])
+    if splits is None:
+        splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
+    partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
+                               num_classes=splits.num_classes) if partitioned else None
+    return Experiment(cfg, splits, partition, client_archs(cfg), device)

@@ -1,0 +1,280 @@
+"""A paper's results page: our numbers beside the published ones, per budget, with two figures and the
+hand-written "Where we differ and why". Reads the archived cells (``<page>-runs.json``, kept in git) and
+the finished cells of the runs folder (which win); the same inputs always give the same bytes."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hetfl.reproduce.paper import Paper, cell_name
+
+ARCHIVE_SUFFIX = "-runs.json"
+MAX_SEEDS = 100  # seeds looked up per setting
+
+
+def _curve(summary: dict[str, Any], label: str, folder: Path | None) -> list[list[float]]:
+    """``[[step, accuracy], ...]`` of one method's evaluations during its server stage."""
+    result = summary["results"][label]
+    if isinstance(result.get("curve"), list):  # FedMHO's record: one accuracy per server epoch from 0
+        return [[i, a] for i, a in enumerate(result["curve"]) if a is not None]
+    if label in summary.get("curves", {}):
+        return summary["curves"][label]
+    rows: dict[int, float] = {}
+    metrics = folder / label / "metrics.jsonl" if folder is not None else None
+    if metrics is not None and metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step", -1) >= 0 and row.get("accuracy") is not None:
+                rows[row["step"]] = row["accuracy"]
+    return [[s, rows[s]] for s in sorted(rows)]
+
+
+def machine(env: dict[str, Any]) -> str:
+    if env.get("accelerator"):
+        return str(env["accelerator"])
+    threads = env.get("threads")
+    return f"{env.get('cpu') or 'an unrecorded CPU'}" + (f", {threads} thread{'s' * (threads != 1)}" if threads else "")
+
+
+def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
+    """What the results page needs of a cell's summary: per method final / validation-selected /
+    test-best accuracy and the curve, the cell's minutes and machine."""
+    results = {}
+    for label, r in summary["results"].items():
+        entry = {"method": r.get("method", label), "final": round(r["accuracy"], 2),
+                 "best": round(r["best_accuracy"], 2)}
+        if r.get("val_selected_accuracy") is not None:
+            entry["val"] = round(r["val_selected_accuracy"], 2)
+        curve = _curve(summary, label, folder)
+        if len(curve) > 1:
+            entry["curve"] = [[s, round(a, 2)] for s, a in curve]
+        results[label] = entry
+    return {"results": results, "minutes": round(summary.get("minutes") or 0.0, 1),
+            "machine": machine(summary.get("environment", {}))}
+
+
+def load_cells(root: Path, archive: Path) -> dict[str, dict[str, Any]]:
+    cells = json.loads(archive.read_text()) if archive.is_file() else {}
+    for path in sorted(root.glob("*/summary.json")):
+        cells[path.parent.name] = condense(json.loads(path.read_text()), path.parent)
+    return cells
+
+
+def _runs(paper: Paper, cells: dict[str, Any], dataset: str, setting: str, budget: str) -> list[dict[str, Any]]:
+    names = (cell_name(paper, dataset, setting, seed, budget) for seed in range(MAX_SEEDS))
+    return [cells[n] for n in names if n in cells]
+
+
+def _mean(values: list[float]) -> str:
+    if not values:
+        return "-"
+    text = f"{statistics.fmean(values):.2f}"
+    return text + (f" ±{statistics.stdev(values):.2f}" if len(values) > 1 else "")
+
+
+def _values(runs: list[dict[str, Any]], label: str, key: str) -> list[float]:
+    return [r["results"][label][key] for r in runs if label in r["results"] and key in r["results"][label]]
+
+
+def _number(text: str | None) -> float | None:
+    return None if text is None else float(str(text).split("±")[0])
+
+
+def _settings_head(paper: Paper, setting: str) -> str:
+    return setting if setting == "2c/c" else f"α={setting}"
+
+
+def _dataset_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str, val: bool) -> list[str]:
+    cols = ["final", *(["val"] if val else []), "test-best", "paper"]
+    head = ["method"] + [f"{_settings_head(paper, s)} {c}" for s in paper.settings for c in cols]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    labels = [m for m in paper.methods if any(m in r["results"] for s in paper.settings
+                                              for r in _runs(paper, cells, dataset, s, budget))]
+    for label in labels:
+        row = [paper.label(label)]
+        for setting in paper.settings:
+            runs = _runs(paper, cells, dataset, setting, budget)
+            final = _values(runs, label, "final")
+            row.append(f"{statistics.fmean(final):.2f} (n={len(final)})" if final else "not run")
+            if val:
+                row.append(_mean(_values(runs, label, "val")))
+            row += [_mean(_values(runs, label, "best")), paper.published_value(dataset, label, setting) or "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _key(paper: Paper) -> str:
+    return "best" if paper.metric == "best" else "final"
+
+
+def _best_baseline(paper: Paper, runs: list[dict[str, Any]]) -> tuple[str, float] | None:
+    means = {m: statistics.fmean(v) for m in paper.baselines if (v := _values(runs, m, _key(paper)))}
+    return max(means.items(), key=lambda kv: kv[1]) if means else None
+
+
+def _published_best_baseline(paper: Paper, dataset: str, setting: str) -> tuple[str, float] | None:
+    rows = {m: v for m in paper.baselines if (v := _number(paper.published_value(dataset, m, setting))) is not None}
+    return max(rows.items(), key=lambda kv: kv[1]) if rows else None
+
+
+def budgets_run(paper: Paper, cells: dict[str, Any]) -> list[str]:
+    return [b for b in paper.budgets if any(_runs(paper, cells, d, s, b) for d in paper.datasets
+                                            for s in paper.settings)]
+
+
+def standing(paper: Paper, cells: dict[str, Any], budgets: list[str]) -> list[str]:
+    """Ours and the best baseline per budget beside the paper's method and best baseline."""
+    what = "test-best" if paper.metric == "best" else "final"
+    head = ["dataset", "setting", f"paper: {paper.label(paper.paper_method)}", "paper: best baseline"]
+    for b in budgets:
+        head += [f"`{b}`: ours", f"`{b}`: best baseline"]
+    lines = [f"Ours = `{paper.ours}` ({paper.label(paper.ours)}); {what} %, mean over seeds (n); the best "
+             "baseline is the baseline with the highest mean in the same cells. "
+             "**Bold**: ours above that baseline.", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for dataset, title in paper.datasets.items():
+        for setting in paper.settings:
+            pub = _published_best_baseline(paper, dataset, setting)
+            row = [title, _settings_head(paper, setting), paper.published_value(dataset, paper.paper_method, setting)
+                   or "-", f"{pub[1]:.2f} {paper.label(pub[0])}" if pub else "-"]
+            for b in budgets:
+                runs = _runs(paper, cells, dataset, setting, b)
+                ours, base = _values(runs, paper.ours, _key(paper)), _best_baseline(paper, runs)
+                mean = statistics.fmean(ours) if ours else None
+                text = "-" if mean is None else f"{mean:.2f} n={len(ours)}"
+                if mean is not None and base is not None and mean > base[1]:
+                    text = f"**{text}**"
+                row += [text, f"{base[1]:.2f} {paper.label(base[0])}" if base else "-"]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def budget_section(paper: Paper, cells: dict[str, Any], budget: str) -> list[str]:
+    runs = [r for d in paper.datasets for s in paper.settings for r in _runs(paper, cells, d, s, budget)]
+    minutes = [r["minutes"] for r in runs if r.get("minutes")]
+    machines = sorted({r["machine"] for r in runs})
+    val = any("val" in m for r in runs for m in r["results"].values())
+    lines = [f"## Budget `{budget}`", "", f"{paper.budgets[budget]['about']}. {len(runs)} cells; minutes per cell "
+             + (f"{statistics.fmean(minutes):.1f} (range {min(minutes):.1f}-{max(minutes):.1f})" if minutes else "-")
+             + f"; on {'; '.join(machines)}.", ""]
+    for dataset, title in paper.datasets.items():
+        if any(_runs(paper, cells, dataset, s, budget) for s in paper.settings):
+            lines += [f"### {title}", "", *_dataset_table(paper, cells, dataset, budget, val), ""]
+    return lines
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+
+
+def plot_standing(paper: Paper, cells: dict[str, Any], budget: str, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(paper.datasets), figsize=(5 * len(paper.datasets), 3.2), squeeze=False)
+    any_bar = False
+    for ax, (dataset, title) in zip(axes[0], paper.datasets.items()):
+        settings = list(paper.settings)
+        series = {f"paper: {paper.label(paper.paper_method)}": [], f"ours ({budget})": [],
+                  f"best baseline ({budget})": []}
+        for s in settings:
+            runs = _runs(paper, cells, dataset, s, budget)
+            ours, base = _values(runs, paper.ours, _key(paper)), _best_baseline(paper, runs)
+            series[f"paper: {paper.label(paper.paper_method)}"].append(
+                _number(paper.published_value(dataset, paper.paper_method, s)) or 0.0)
+            series[f"ours ({budget})"].append(statistics.fmean(ours) if ours else 0.0)
+            series[f"best baseline ({budget})"].append(base[1] if base else 0.0)
+            any_bar = any_bar or bool(ours)
+        for i, (name, values) in enumerate(series.items()):
+            ax.bar([x + 0.27 * (i - 1) for x in range(len(settings))], values, width=0.27, label=name)
+        ax.set_xticks(range(len(settings)), [_settings_head(paper, s) for s in settings])
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(0, 100)
+    axes[0][0].legend(fontsize=7, loc="lower left", framealpha=0.9)
+    fig.tight_layout()
+    if any_bar:
+        _save(fig, path)
+    plt.close(fig)
+    return any_bar
+
+
+def plot_curves(paper: Paper, cells: dict[str, Any], budget: str, path: Path) -> bool:
+    """Accuracy per server epoch (mean over seeds), one panel per dataset and setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cols = list(paper.datasets), list(paper.settings)
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(2.6 * len(cols), 2.2 * len(rows)), squeeze=False,
+                             sharey=True)
+    drawn = False
+    for i, dataset in enumerate(rows):
+        for j, setting in enumerate(cols):
+            ax = axes[i][j]
+            runs = _runs(paper, cells, dataset, setting, budget)
+            for label in paper.methods:
+                curves = [dict(map(tuple, r["results"][label]["curve"])) for r in runs
+                          if "curve" in r["results"].get(label, {})]
+                steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+                if len(steps) > 10:  # a per-epoch curve (FedDF's few evaluations read poorly at this scale)
+                    ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], lw=1,
+                            label=paper.label(label))
+                    drawn = True
+            ax.set_title(f"{paper.datasets[dataset]}, {_settings_head(paper, setting)}", fontsize=8)
+            ax.tick_params(labelsize=7)
+            if i == len(rows) - 1:
+                ax.set_xlabel("server epoch", fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes.flat:
+        if len(ax.get_legend_handles_labels()[0]) > len(handles):
+            handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    if drawn:
+        _save(fig, path)
+    plt.close(fig)
+    return drawn
+
+
+def render(paper: Paper, cells: dict[str, Any], figures: list[str]) -> str:
+    budgets = budgets_run(paper, cells)
+    what = "test-best" if paper.metric == "best" else "final"
+    lines = [f"# {paper.title}", "",
+             f"Generated by `hetfl reproduce {paper.name} --report-only` from the archived cells "
+             f"(`{paper.name}{ARCHIVE_SUFFIX}`) and the finished cells of `runs/reproduce-{paper.name}/`; "
+             "do not edit by hand.", "",
+             f"Source: {paper.source}. The paper reports **{what}**. {paper.protocol}", "",
+             "Columns: **final** = the last model; **val** = the model picked on a validation split (where a "
+             "run had one); **test-best** = the best test accuracy over the server's evaluations, i.e. "
+             "test-set model selection, the papers' protocol; **paper** = the published number. Means over "
+             "the seeds run (n), ± = sd over seeds.", "",
+             "## Standing", "", *standing(paper, cells, budgets), ""]
+    lines += [f"![{f}]({f})" for f in figures] + ([""] if figures else [])
+    for budget in budgets:
+        lines += budget_section(paper, cells, budget)
+    not_run = [b for b in paper.budgets if b not in budgets]
+    if not_run:
+        lines += ["Budgets with no cell run yet: " + ", ".join(
+            f"`{b}` ({paper.budgets[b]['about']})" for b in not_run) + ".", ""]
+    if paper.differ:
+        lines += ["## Where we differ and why", "", paper.differ, ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_results(paper: Paper, root: Path, results: Path, archive: Path) -> None:
+    cells = load_cells(root, archive)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    budget = paper.default_budget
+    figures = []
+    for stem, plot in (("standing", plot_standing), ("curves", plot_curves)):
+        path = results.with_name(f"{paper.name}-{stem}.png")
+        if plot(paper, cells, budget, path):
+            figures.append(path.name)
+    results.write_text(render(paper, cells, figures))

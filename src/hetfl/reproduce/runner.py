@@ -1,0 +1,170 @@
+"""`hetfl reproduce <paper>`: run a paper's grid of cells and write its results page.
+
+A cell is one simulator run; a finished cell (its summary has every method asked for) is skipped and a
+cell that stopped part-way resumes (each method from its own checkpoint), so the command can be
+stopped and started again. ``--jobs N`` runs N cells at once, each with its share of the CPU threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from hetfl.config import ConfigError
+from hetfl.reproduce.paper import Paper, grid, load_paper
+from hetfl.reproduce.report import ARCHIVE_SUFFIX, condense, write_results
+
+
+def _choices(option: str, text: str | None, valid: list[str]) -> list[str]:
+    if not text:
+        return list(valid)
+    chosen = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in valid]
+    if unknown:
+        raise ConfigError(f"{option}: unknown {unknown}; choose from: {', '.join(valid)}")
+    return chosen
+
+
+def _seeds(text: str | None, default: list[int]) -> list[int]:
+    if not text:
+        return list(default)
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise ConfigError(f"--seeds: expected integers such as 0,1,2, got {text!r}") from err
+
+
+def finished(out: Path, methods: list[str]) -> dict[str, Any] | None:
+    """The cell's summary if it has a result for every one of ``methods``."""
+    path = out / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if set(methods) <= set(summary.get("results", {})) else None
+
+
+def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str | None, device: str | None,
+             threads: int, quiet: bool) -> str:
+    """Run the cell's methods that have no result yet into ``root/<name>``; merge them into its summary."""
+    import torch
+
+    from hetfl.engine.simulator import Simulator, prepare
+    from hetfl.methods.checks import validate
+
+    torch.set_num_threads(threads)
+    out = root / cfg["name"]
+    path = out / "summary.json"
+    prior = json.loads(path.read_text()) if path.is_file() else {}
+    done = prior.get("results", {})
+    todo = {m: p for m, p in cfg["methods"].items() if m not in done}
+    if not todo:
+        return cfg["name"]
+    if device:
+        cfg = {**cfg, "device": device}
+    start = time.perf_counter()
+    summary = Simulator(prepare(validate({**cfg, "methods": todo}), data_root), out, cache, quiet=quiet).run()
+    summary["results"] = {**done, **summary["results"]}
+    summary["config"]["methods"] = {**prior.get("config", {}).get("methods", {}), **summary["config"]["methods"]}
+    summary["minutes"] = prior.get("minutes", 0.0) + (time.perf_counter() - start) / 60
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)
+    return cfg["name"]
+
+
+def run_grid(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
+             device: str | None, jobs: int, quiet: bool, after: Any = None) -> list[str]:
+    """Run the unfinished cells, ``jobs`` at a time; returns the names of the cells that failed."""
+    todo = [c for c in cells if finished(root / c["name"], list(c["methods"])) is None]
+    print(f"{len(cells) - len(todo)} of {len(cells)} cells finished; {len(todo)} to run", flush=True)
+    failed: list[str] = []
+    if jobs == 1:
+        for i, cfg in enumerate(todo, 1):
+            print(f"[{i}/{len(todo)}] {cfg['name']}", flush=True)
+            run_cell(cfg, root, cache, data_root, device, max(1, os.cpu_count() or 1), quiet)
+            if after:
+                after()
+        return failed
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(run_cell, cfg, root, cache, data_root, device, threads, True): cfg["name"]
+                   for cfg in todo}
+        for i, future in enumerate(as_completed(futures), 1):
+            name = futures[future]
+            try:
+                future.result()
+                print(f"[{i}/{len(todo)}] {name} finished", flush=True)
+            except Exception as err:  # one cell's failure must not stop the grid: report it at the end
+                failed.append(name)
+                print(f"[{i}/{len(todo)}] {name} failed: {err}", flush=True)
+            if after:
+                after()
+    return failed
+
+
+def save_archive(paper: Paper, root: Path, archive: Path) -> int:
+    """Add the finished cells of the runs folder to the archived results (condensed, no models)."""
+    saved = json.loads(archive.read_text()) if archive.is_file() else {}
+    count = 0
+    for path in sorted(root.glob("*/summary.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("config", {}).get("name") == path.parent.name:
+            saved[path.parent.name] = condense(summary, path.parent)
+            count += 1
+    archive.write_text(json.dumps(dict(sorted(saved.items())), indent=1, sort_keys=True) + "\n")
+    return count
+
+
+def main(args: argparse.Namespace) -> int:
+    paper = load_paper(args.paper)
+    budget = args.budget or paper.default_budget
+    if budget not in paper.budgets:
+        raise ConfigError(f"--budget: unknown {budget!r}; choose from: {', '.join(paper.budgets)}")
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
+    root = Path(args.out or f"runs/reproduce-{paper.name}")
+    results = Path(args.results or f"docs/results/{paper.name}.md")
+    archive = results.with_name(results.stem + ARCHIVE_SUFFIX)
+    if not args.report_only:
+        cells = grid(paper, budget, _choices("--datasets", args.datasets, list(paper.datasets)),
+                     _choices("--settings", args.settings, list(paper.settings)),
+                     _seeds(args.seeds, paper.seeds),
+                     _choices("--methods", args.methods, paper.budget_methods(budget)) if args.methods else None)
+        cache = None if args.no_cache else Path(args.cache_dir)
+        failed = run_grid(cells, root, cache, args.data_root, args.device, args.jobs, args.quiet,
+                          after=lambda: write_results(paper, root, results, archive))
+        if failed:
+            print(f"failed cells (run the command again to retry): {', '.join(failed)}")
+    if args.save:
+        print(f"archived {save_archive(paper, root, archive)} cells into {archive}")
+    write_results(paper, root, results, archive)
+    print(f"wrote {results}")
+    return 0
+
+
+def add_arguments(rep: argparse.ArgumentParser) -> None:
+    from hetfl.reproduce.paper import paper_names
+
+    rep.add_argument("paper", choices=paper_names())
+    rep.add_argument("--budget", default=None, help="a budget of the paper's YAML (default: its default_budget)")
+    rep.add_argument("--datasets", default=None, help="comma-separated (default: all of the paper's)")
+    rep.add_argument("--settings", default=None, help="comma-separated, e.g. 0.5,0.1,2c/c (default: all)")
+    rep.add_argument("--seeds", default=None, help="comma-separated (default: the paper's seeds)")
+    rep.add_argument("--methods", default=None, help="comma-separated labels (default: the budget's methods)")
+    rep.add_argument("--jobs", type=int, default=1, help="cells run at once (each gets cpus/jobs threads)")
+    rep.add_argument("--report-only", action="store_true", help="only rewrite the results page")
+    rep.add_argument("--save", action="store_true",
+                     help="add the finished cells to the archived results beside the results page")
+    rep.add_argument("--out", default=None, help="runs folder (default: runs/reproduce-<paper>)")
+    rep.add_argument("--results", default=None, help="results page (default: docs/results/<paper>.md)")
+    rep.add_argument("--data-root", default=None)
+    rep.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
+    rep.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"))
+    rep.add_argument("--no-cache", action="store_true", help="always retrain the clients")
+    rep.add_argument("--quiet", action="store_true")
