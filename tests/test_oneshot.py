@@ -834,32 +834,15 @@ def test_dead_units_counts_relu_channels_that_are_never_positive():
     assert DeadUnits(torch.nn.Linear(3, 2)).fraction() is None  # no ReLU modules: nothing to report
 
 
-def test_config_key_leaves_later_keys_out_at_their_default():
+def test_config_key_holds_every_setting_that_changes_the_model_and_not_the_checkpoint_cadence():
     from hetfl.fl.datafree import DataFreeConfig, config_key
 
-    assert "grad_clip" not in json.loads(config_key(DataFreeConfig()))  # keys of older checkpoints unchanged
-    assert "generator_grad_clip" not in json.loads(config_key(DataFreeConfig()))
-    # a method's params repeat the loop's keys: a checkpoint written before generator_grad_clip and
-    # pool_shuffle existed (its params without them) still matches at their defaults, and grad_clip,
-    # in the params since it was added, stays there
-    import hetfl.methods  # noqa: F401
-    from hetfl.fl.method import create_method
-
-    dense = create_method("dense", {"epochs": 3, "pool_shuffle": False})  # the pool-order KD pass
-    older = {k: v for k, v in dense.params.items() if k not in ("generator_grad_clip", "pool_shuffle")}
-    assert config_key(dense.config, method="dense", params=dense.params) == config_key(
-        dense.config, method="dense", params=older)
-    assert json.loads(config_key(dense.config, method="dense", params=dense.params))["params"]["grad_clip"] == 0.0
-    shuffled = create_method("dense", {"epochs": 3})  # its default since: a pool-order checkpoint is not resumed
-    assert shuffled.params["pool_shuffle"] and config_key(shuffled.config, method="dense", params=shuffled.params) \
-        != config_key(dense.config, method="dense", params=dense.params)
-    assert json.loads(config_key(DataFreeConfig(generator_grad_clip=10.0)))["generator_grad_clip"] == 10.0
-    assert json.loads(config_key(DataFreeConfig(grad_clip=5.0)))["grad_clip"] == 5.0
-    assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
-    for key, value in (("distill_precision", "bf16"), ("compile", True)):  # added after checkpoints existed
-        assert key not in json.loads(config_key(DataFreeConfig()))
-        assert key not in json.loads(config_key(dense.config, method="dense", params=dense.params))["params"]
+    base = json.loads(config_key(DataFreeConfig()))
+    assert base["grad_clip"] == 0.0 and base["pool_shuffle"] is True and "checkpoint_every_s" not in base
+    for key, value in (("grad_clip", 5.0), ("distill_precision", "bf16"), ("compile", True), ("pool_shuffle", False)):
         assert json.loads(config_key(DataFreeConfig(**{key: value})))[key] == value
+    assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
+    assert config_key(DataFreeConfig(checkpoint_every_s=5.0)) == config_key(DataFreeConfig())
 
 
 @pytest.mark.parametrize("bad, match", [({"distill_precision": "fp16"}, "distill_precision must be fp32 or bf16"),

@@ -63,7 +63,8 @@ def test_report_only_regenerates_the_committed_page_byte_for_byte(tmp_path, name
 TINY_PAPER = {
     "title": "Tiny", "source": "none", "cell_name": "tiny-{dataset}-{setting}-s{seed}-{budget}", "metric": "best",
     "ours": "ensemble", "paper_method": "ensemble", "baselines": ["fedavg"], "datasets": {"synthetic": "Synthetic"},
-    "settings": {"0.5": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}, "2c/c": {"kind": "classes", "per_client": 2}},
+    "settings": {"0.5": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5},
+                 "2c/c": {"kind": "classes", "per_client": 2}},
     "seeds": [0, 1], "default_budget": "quick", "protocol": "3 clients.",
     "config": {"clients": 3, "data": {"train_per_class": 40, "test_per_class": 20, "size": 16, "classes": 4},
                "client": {"model": "cnn2", "epochs": "${epochs}", "batch_size": 32, "lr": 0.1}},

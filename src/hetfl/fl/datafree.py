@@ -524,20 +524,13 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return (x.clamp(0, 1) * 255).round().to(torch.uint8).contiguous()  # one pool layout whatever G's
 
 
-# keys added after checkpoints were written: left out of the key at their default
-LATER_KEYS = {"grad_clip": 0.0, "generator_grad_clip": 0.0, "pool_shuffle": False, "distill_precision": "fp32",
-              "compile": False}
-# the same for the copy of the loop's keys in a method's params, except grad_clip: it has been in them
-# since it was added, so the checkpoints written since hold it there
-LATER_PARAMS = {k: v for k, v in LATER_KEYS.items() if k != "grad_clip"}
-NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model (added after checkpoints)
+NOT_IN_KEY = {"checkpoint_every_s"}  # settings that do not change the trained model
 
 
 def config_key(cfg: DataFreeConfig, **extra: Any) -> str:
     """What a checkpoint must match to be resumed: every setting of the loop and ``extra`` (a
     method's ``params`` included), less the :data:`NOT_IN_KEY` settings."""
-    keys = {k: v for k, v in asdict(cfg).items() if LATER_KEYS.get(k, object()) != v and k not in NOT_IN_KEY}
+    keys = {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_KEY}
     if isinstance(extra.get("params"), dict):  # a method's params repeat the loop's keys, defaults filled in
-        extra["params"] = {k: v for k, v in extra["params"].items()
-                           if LATER_PARAMS.get(k, object()) != v and k not in NOT_IN_KEY}
+        extra["params"] = {k: v for k, v in extra["params"].items() if k not in NOT_IN_KEY}
     return json.dumps({**keys, **extra}, sort_keys=True, default=str)

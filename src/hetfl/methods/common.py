@@ -43,9 +43,6 @@ class DataFreeMethod(OneShotMethod):
     and the shared :class:`DataFreeDistiller` loop. Subclasses implement :meth:`recipe`."""
 
     method_defaults: ClassVar[dict[str, Any]] = {}  # a method's own keys and its paper's defaults
-    # a method's keys added after checkpoints were written, with the value they had implicitly before:
-    # left out of the checkpoint key at that value, so older checkpoints still resume
-    later_params: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -80,10 +77,8 @@ class DataFreeMethod(OneShotMethod):
         return {self.name: model}
 
     def checkpoint_key(self, uploads: dict[int, Payload]) -> str:
-        """What a checkpoint of this run must match to be resumed (:func:`config_key`), less the
-        :attr:`later_params` at their earlier value."""
-        params = {k: v for k, v in self.params.items() if self.later_params.get(k, object()) != v}
-        return config_key(self.config, method=self.name, params=params,
+        """What a checkpoint of this run must match to be resumed (:func:`config_key`)."""
+        return config_key(self.config, method=self.name, params=self.params,
                           uploads=[uploads[c].meta.get("client_id") for c in sorted(uploads)])
 
     def after(self, engine: DataFreeDistiller, ctx: ServerContext) -> None:

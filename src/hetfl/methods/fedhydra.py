@@ -224,7 +224,6 @@ class FedHydra(DataFreeMethod):
                                        "reset_generator": False, "column_scale": "sum", "adv_mask": "none",
                                        "keep": "all", "optimize_z": False, "saturated": "eq2",
                                        "u_transform_on": "both", "strat_precision": "fp32"}
-    later_params: dict[str, Any] = {"strat_precision": "fp32"}  # added after checkpoints: their key lacks it
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
