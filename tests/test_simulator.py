@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from hetfl.cli import main
 from hetfl.engine.simulator import Simulator, prepare
+from hetfl.engine.uploads import ClientExchange
 from hetfl.fl.cache import UploadCache, uploads_digest
 from hetfl.fl.payload import Payload
 from hetfl.fl.training import predict_logits
@@ -91,9 +92,43 @@ def test_torn_cache_entry_is_retrained(tmp_path):
     assert cache.get("ab" + "0" * 62).meta == {"x": 1}
     path = next(tmp_path.rglob("*.safetensors"))
     path.write_bytes(path.read_bytes()[:10])
-    with pytest.warns(UserWarning, match="is unreadable .*; removed, that client trains again"):
+    with pytest.warns(UserWarning, match="is damaged .*; removed, that client trains again"):
         assert cache.get("ab" + "0" * 62) is None
     assert not path.exists()
+
+
+def _flip_bit(path):
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 1  # the low bit of a weight's last byte
+    path.write_bytes(bytes(blob))
+
+
+def _set_nan(path):
+    from safetensors.torch import load_file, save_file
+
+    meta = json.loads(path.with_suffix(".json").read_text())["meta"]
+    tensors = load_file(path)
+    name = next(k for k, v in tensors.items() if v.is_floating_point())
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, path, metadata={"hetfl": json.dumps(meta, sort_keys=True)})
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage", [_flip_bit, _set_nan, _truncate])
+def test_a_damaged_cached_upload_is_removed_and_retrained_to_the_clean_result(tmp_path, tiny_config, damage):
+    cache = tmp_path / "cache"
+    clean = run(tiny_config, tmp_path / "clean", cache)["results"]["fedavg"]
+    path = sorted(cache.rglob("*.safetensors"))[1]
+    damage(path)
+    with pytest.warns(UserWarning, match="upload cache: .* is damaged"):
+        again = run(tiny_config, tmp_path / "again", cache)["results"]["fedavg"]
+    assert again["cached_uploads"] == 2  # one client trained again
+    assert (again["accuracy"], again["uploads_sha256"]) == (clean["accuracy"], clean["uploads_sha256"])
+    third = run(tiny_config, tmp_path / "third", cache)["results"]["fedavg"]  # the retrained entry is sound
+    assert third["cached_uploads"] == 3 and third["uploads_sha256"] == clean["uploads_sha256"]
 
 
 def test_uploads_digest_names_the_bytes_and_the_clients_not_the_order():
@@ -294,7 +329,7 @@ class _Killed(Exception):
 
 
 def _kill_client_1_in_epoch_2(monkeypatch):
-    make_env = Simulator._env
+    make_env = ClientExchange._env
 
     def killed_in_epoch_2_of_client_1(self, cid, states, bar=None, label=""):
         env = make_env(self, cid, states, bar, label)
@@ -305,7 +340,7 @@ def _kill_client_1_in_epoch_2(monkeypatch):
             env.progress = progress
         return env
 
-    monkeypatch.setattr(Simulator, "_env", killed_in_epoch_2_of_client_1)
+    monkeypatch.setattr(ClientExchange, "_env", killed_in_epoch_2_of_client_1)
     return make_env
 
 
@@ -318,7 +353,7 @@ def test_a_client_killed_in_local_training_resumes_from_its_checkpoint(tmp_path,
         run(tiny_config, tmp_path / "a", cache, checkpoint_every_s=0)
     partial = list((cache / "partial").iterdir())
     assert len(partial) == 1 and Payload.from_bytes(partial[0].read_bytes()).meta["epoch"] == 1
-    monkeypatch.setattr(Simulator, "_env", make_env)
+    monkeypatch.setattr(ClientExchange, "_env", make_env)
     with caplog.at_level("WARNING", logger="hetfl"):
         resumed = run(tiny_config, tmp_path / "b", cache, checkpoint_every_s=0)
     assert "client 1: local training goes on from its checkpoint" in caplog.text

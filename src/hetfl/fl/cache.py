@@ -15,12 +15,16 @@ upload is reused whatever the current count.
 :func:`import_uploads` re-keys another cache's uploads (say, trained on a lent GPU) for this torch and
 device, on purpose: more methods then run here on byte-identical uploads (``uploads_sha256`` in a
 summary shows it), e.g. a CPU-only baseline beside GPU-run ones.
+
+Every entry's JSON records the sha256 of its upload's bytes; :meth:`UploadCache.get` checks it, so a
+cached upload is either exactly what was trained or it is deleted and trained again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,16 +71,31 @@ class UploadCache:
         return self.root / key[:2] / f"{key}.safetensors"
 
     def get(self, key: str) -> Payload | None:
+        """The upload stored under ``key``, exactly as it was stored, or None. An entry whose bytes no
+        longer match the sha256 recorded beside them, whose record is missing, or that does not parse
+        or holds non-finite values is reported, deleted, and its client trains again."""
         path = self._path(key)
         if not path.is_file():
             return None
         try:
-            return Payload.from_bytes(path.read_bytes())
-        except PayloadError as err:  # a damaged file (e.g. a crash before it reached the disk): retrain
-            warnings.warn(f"upload cache: {path} is unreadable ({err}); removed, that client trains again",
+            blob = path.read_bytes()
+            recorded = json.loads(path.with_suffix(".json").read_text()).get("sha256")
+            if recorded != hashlib.sha256(blob).hexdigest():
+                raise PayloadError("its bytes differ from the sha256 recorded when it was stored"
+                                   if recorded else "no sha256 recorded beside it")
+            upload = Payload.from_bytes(blob)
+            upload.validate()  # finite values
+        except (OSError, ValueError) as err:  # PayloadError and a damaged JSON record are ValueErrors
+            warnings.warn(f"upload cache: {path} is damaged ({err}); removed, that client trains again",
                           stacklevel=2)
-            path.unlink(missing_ok=True)
+            self.remove(key)
             return None
+        return upload
+
+    def remove(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        path.with_suffix(".json").unlink(missing_ok=True)
 
     def partial_path(self, key: str) -> Path:
         """Where the client training for ``key`` keeps a resumable state until its upload is stored
@@ -98,9 +117,15 @@ class UploadCache:
     def put(self, key: str, payload: Payload, describe: dict[str, Any]) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload.write(path)  # atomic: a crash never leaves a half-written upload
-        info = {"key": key, **describe, "meta": payload.meta}
-        path.with_suffix(".json").write_text(json.dumps(info, indent=1, sort_keys=True))
+        blob = payload.to_bytes()
+        info = {"key": key, **describe, "meta": payload.meta, "sha256": hashlib.sha256(blob).hexdigest()}
+        record = path.with_suffix(".json")
+        tmp = record.with_name(f"{record.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(info, indent=1, sort_keys=True))
+        os.replace(tmp, record)  # the record first: an upload is never stored without its digest
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)  # atomic: a crash never leaves a half-written upload
 
 
 def _head_key(fingerprint: dict[str, Any], request: dict[str, Any], torch_version: str, device_type: str) -> str:
@@ -135,7 +160,7 @@ def import_uploads(src: str | Path, dst: str | Path, device: torch.device) -> li
         except (OSError, PayloadError) as err:
             raise PayloadError(f"{blob}: missing or unreadable ({err})") from err
         key = _head_key(info["fingerprint"], info["request"], torch.__version__, device.type)
-        describe = {k: v for k, v in info.items() if k not in ("key", "meta", "keyed_for")}
+        describe = {k: v for k, v in info.items() if k not in ("key", "meta", "keyed_for", "sha256")}
         UploadCache(dst).put(key, upload, {**describe, "keyed_for": {"torch": torch.__version__, "device": device.type},
                                            "imported_from": {"key": info_path.stem, "keyed_for": made}})
         pairs.append((info_path.stem, key))
