@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from hetfl.cli import main
 from hetfl.data import fetch as fetch_mod
 from hetfl.data.fetch import (
     IDX_FILES,
@@ -192,14 +193,21 @@ def _write_complete(folder: Path) -> dict[str, bytes]:
     folder.mkdir(parents=True)
     contents = {}
     for name in IDX_FILES:
-        contents[name] = f"placeholder {name}".encode()
+        contents[name] = gzip.compress(f"placeholder {name}".encode(), mtime=0)
         (folder / name).write_bytes(contents[name])
     return contents
+
+
+def _trust(monkeypatch, dataset: str, folder: Path) -> None:
+    """Make the files in ``folder`` the known-good content of ``dataset``."""
+    sums = {name.removesuffix(".gz"): fetch_mod.content_sha256(folder / name) for name in IDX_FILES}
+    monkeypatch.setitem(fetch_mod.CONTENT_SHA256, dataset, sums)
 
 
 def test_fetch_fmnist_with_files_present_does_nothing(tmp_path, no_subprocess, monkeypatch):
     monkeypatch.setattr(fetch_mod, "FMNIST_SYSTEM_DIR", tmp_path / "no-such-system-dir")
     before = _write_complete(tmp_path / "fashion-mnist")
+    _trust(monkeypatch, "fmnist", tmp_path / "fashion-mnist")
     messages: list[str] = []
     out = fetch_fmnist(tmp_path, log=messages.append)
     assert out == tmp_path / "fashion-mnist"
@@ -207,8 +215,9 @@ def test_fetch_fmnist_with_files_present_does_nothing(tmp_path, no_subprocess, m
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_fetch_mnist_with_files_present_does_nothing(tmp_path, no_subprocess):
+def test_fetch_mnist_with_files_present_does_nothing(tmp_path, no_subprocess, monkeypatch):
     before = _write_complete(tmp_path / "mnist")
+    _trust(monkeypatch, "mnist", tmp_path / "mnist")
     messages: list[str] = []
     out = fetch_mnist(tmp_path, log=messages.append)
     assert out == tmp_path / "mnist"
@@ -222,6 +231,7 @@ def test_fetch_fmnist_copies_and_verifies_from_a_system_folder(tmp_path, no_subp
     sums = {name: sha256(system / name) for name in IDX_FILES}
     monkeypatch.setattr(fetch_mod, "FMNIST_SYSTEM_DIR", system)
     monkeypatch.setattr(fetch_mod, "FMNIST_SHA256", sums)
+    _trust(monkeypatch, "fmnist", system)
     out = fetch_fmnist(tmp_path / "root", log=lambda _: None)
     assert out == tmp_path / "root" / "fashion-mnist"
     for name in IDX_FILES:
@@ -244,10 +254,36 @@ def test_fetched_fmnist_layout_is_what_load_fmnist_reads(tmp_path, no_subprocess
         write_idx(system / name, arr)
     monkeypatch.setattr(fetch_mod, "FMNIST_SYSTEM_DIR", system)
     monkeypatch.setattr(fetch_mod, "FMNIST_SHA256", {n: sha256(system / n) for n in IDX_FILES})
+    _trust(monkeypatch, "fmnist", system)
     fetch(["fmnist"], tmp_path / "root", log=lambda _: None)
     splits = load_fmnist(tmp_path / "root")
     np.testing.assert_array_equal(splits.train.x[:, 0].numpy(), x)
     np.testing.assert_array_equal(splits.test.y.numpy(), y[:2])
+
+
+def test_damaged_files_are_caught_by_verify_and_fetched_again(tmp_path, no_subprocess, monkeypatch):
+    system = tmp_path / "system"
+    good = _write_complete(system)
+    monkeypatch.setattr(fetch_mod, "FMNIST_SYSTEM_DIR", system)
+    monkeypatch.setattr(fetch_mod, "FMNIST_SHA256", {n: sha256(system / n) for n in IDX_FILES})
+    _trust(monkeypatch, "fmnist", system)
+    out = fetch_fmnist(tmp_path, log=lambda _: None)
+    assert fetch_mod.verify("fmnist", tmp_path) == []
+    raw = out / "t10k-images-idx3-ubyte"  # a plain IDX file beside the .gz, one pixel byte flipped
+    content = bytearray(gzip.decompress(good["t10k-images-idx3-ubyte.gz"]))
+    content[-1] ^= 1
+    raw.write_bytes(bytes(content))
+    (out / "train-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
+    problems = fetch_mod.verify("fmnist", tmp_path)
+    assert len(problems) == 2 and any("t10k-images-idx3-ubyte: sha256 of its content is" in p for p in problems)
+    assert any("train-labels-idx1-ubyte.gz: unreadable" in p for p in problems)
+    messages: list[str] = []
+    fetch(["fmnist"], tmp_path, log=messages.append)  # names the damage, removes it, fetches again
+    assert any("fetching again" in m for m in messages) and not raw.exists()
+    assert fetch_mod.verify("fmnist", tmp_path) == []
+    assert main(["data", "verify", "fmnist", "--root", str(tmp_path)]) == 0
+    raw.write_bytes(bytes(content))
+    assert main(["data", "verify", "fmnist", "--root", str(tmp_path)]) == 1
 
 
 @pytest.mark.parametrize("names", [["cifar10"], ["mnist", "cifar10"], ["svhn", "emnist"]])

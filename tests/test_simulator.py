@@ -260,6 +260,8 @@ def test_cli_run_partition_and_errors(tmp_path, tiny_config, capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "cnn2" in out and "fedhydra" in out
+    assert main(["run", str(path), "--out", str(path)]) == 2  # --out names a file: one line, no traceback
+    assert capsys.readouterr().err.strip() == f"hetfl: error: --out {path}: a file of that name exists; give a folder"
 
 
 def test_results_table_columns_line_up_whatever_the_method_names():

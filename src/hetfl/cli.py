@@ -21,6 +21,14 @@ USER_ERRORS = (ConfigError, PartitionError, DataFormatError, FetchError, Payload
                FileNotFoundError)
 
 
+def out_folder(path: str | Path) -> Path:
+    """``--out`` as a folder; a path that names an existing file is a user error, not a traceback."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path}: a file of that name exists; give a folder")
+    return path
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -44,7 +52,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
     if args.device:
         cfg["device"] = args.device
-    out = Path(args.out or Path("runs") / cfg["name"])
+    out = out_folder(args.out or Path("runs") / cfg["name"])
     exp = prepare(cfg, args.data_root)
     cache = None if args.no_cache else Path(args.cache_dir)
     print(f"{cfg['name']}: {cfg['dataset']} ({len(exp.splits.train)} train / {len(exp.splits.test)} test), "
@@ -68,7 +76,7 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
     if args.device:
         check_device(args.device)
         cfg["device"] = args.device
-    out = Path(args.out or Path("runs") / f"{cfg['name']}-flower")
+    out = out_folder(args.out or Path("runs") / f"{cfg['name']}-flower")
     quiet_prefixes = ("HTTP Request:",)
 
     def show(line: str) -> None:
@@ -94,7 +102,7 @@ def cmd_flower_app(args: argparse.Namespace) -> int:
     from hetfl.engine.flower_local import write_app
 
     cfg = load_config(args.config, args.overrides)
-    out = Path(args.out or Path("runs") / f"{cfg['name']}-flower")
+    out = out_folder(args.out or Path("runs") / f"{cfg['name']}-flower")
     folder = write_app(Path(args.app), cfg, out, args.data_root or cfg["data_root"])
     print(f"wrote {folder}/pyproject.toml and {folder}/run-config.toml; submit with:\n"
           f"  flwr run {folder} CONNECTION --run-config {folder}/run-config.toml --stream")
@@ -129,7 +137,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     splits = load_dataset(cfg["dataset"], args.data_root or cfg["data_root"], cfg["data"])
     part = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                           num_classes=splits.num_classes)
-    out = Path(args.out or Path("runs") / cfg["name"])
+    out = out_folder(args.out or Path("runs") / cfg["name"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "partition.json").write_text(json.dumps(part.stats()))
     plot_partition(part.counts, out / "partition.png", cfg["name"])
@@ -163,6 +171,22 @@ def cmd_cache_import(args: argparse.Namespace) -> int:
 def cmd_fetch(args: argparse.Namespace) -> int:
     fetch(args.names or ["mnist", "fmnist"], Path(args.root))
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Check the fetched datasets' files against their known sha256; rc 1 if any is missing or damaged."""
+    from hetfl.data.fetch import verify
+
+    bad = 0
+    for name in args.names or ["mnist", "fmnist"]:
+        if name not in ("mnist", "fmnist"):
+            raise ConfigError(f"data verify: {name!r} has no recorded sha256; choose mnist or fmnist")
+        problems = verify(name, Path(args.root))
+        bad += len(problems)
+        print("\n".join(f"{name}: {p}" for p in problems) or f"{name}: all four files intact")
+    if bad:
+        print("run `hetfl data fetch` to fetch the damaged files again", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -243,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_p.add_argument("names", nargs="*", help="mnist, fmnist (default: both)")
     fetch_p.add_argument("--root", default="data", help="data root (default: data)")
     fetch_p.set_defaults(func=cmd_fetch)
+    ver = data_sub.add_parser("verify", help="check the fetched datasets' files against their known sha256")
+    ver.add_argument("names", nargs="*", help="mnist, fmnist (default: both)")
+    ver.add_argument("--root", default="data", help="data root (default: data)")
+    ver.set_defaults(func=cmd_verify)
 
     cache = sub.add_parser("cache", help="upload-cache utilities")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)

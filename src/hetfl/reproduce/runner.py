@@ -129,6 +129,8 @@ def main(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
     root = Path(args.out or f"runs/reproduce-{paper.name}")
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--out {root}: a file of that name exists; give a folder")
     results = Path(args.results or f"docs/results/{paper.name}.md")
     archive = results.with_name(results.stem + ARCHIVE_SUFFIX)
     if not args.report_only:
