@@ -146,7 +146,7 @@ def test_simulator_config_key(tiny_config):
     assert config_hash({**cfg, "simulator": {"batch_clients": False, "flush_denormal": True}},
                        "fedavg") != config_hash(cfg, "fedavg")
     for key in ("batch_clients", "flush_denormal"):
-        with pytest.raises(ConfigError, match=f"{key} must be true or false"):
+        with pytest.raises(ConfigError, match=f"simulator.{key}: .*: input should be a valid boolean"):
             validate({**copy.deepcopy(tiny_config), "simulator": {key: "yes"}})
     with pytest.raises(ConfigError, match="simulator"):
         validate({**copy.deepcopy(tiny_config), "simulator": {"batch": True}})

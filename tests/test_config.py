@@ -37,13 +37,13 @@ def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
         ("partition.kind=shards", "unknown partition kind 'shards'; choose one of: iid, dirichlet"),
         ("partition.alpha=0", "'alpha' must be a number > 0"),
         ("partition.beta=1", "does not take"),
-        ("methods.fedavg.mu=1", "method 'fedavg' does not take \\['mu'\\]"),
+        ("methods.fedavg.mu=1", "methods.fedavg.mu: unknown key; valid: rounds, sample_ratio"),
         ("methods.fedavg.rounds=0", "rounds must be a positive integer"),
         ("methods.nope={}", "unknown method 'nope'; choose one of: central, coboosting, dense, ensemble"),
-        ("clients=0", "clients must be a positive integer"),
-        ("client.lr=-1", "bad local training config"),
-        ("client.precision=fp8", "precision must be fp32 or bf16"),
-        ("eval_every=0", "eval_every must be a positive integer"),
+        ("clients=0", "clients: 0: must be >= 1"),
+        ("client.lr=-1", "client.lr: -1: must be > 0"),
+        ("client.precision=fp8", "client.precision: 'fp8': must be one of 'fp32' or 'bf16'"),
+        ("eval_every=0", "eval_every: 0: must be >= 1"),
         ("device=gpu", "device: 'gpu' is not one of auto, cpu, cuda, cuda:N, mps"),
         ("device=cuda:x", "device: 'cuda:x' is not one of"),
     ],
@@ -103,3 +103,33 @@ def test_a_label_whose_method_is_unknown_fails_with_the_list_of_methods(tiny_con
         validate(tiny_config)
     tiny_config["methods"] = {"a": {"method": "dense", "epochs": 2}, "b": {"method": "dense", "epochs": 3}}
     assert validate(tiny_config)["methods"]["b"] == {"method": "dense", "epochs": 3}
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("client.epochs=ten", "client.epochs: 'ten': input should be a valid integer"),
+    ("client.lr=fast", "client.lr: 'fast': input should be a valid number"),
+    ("client.lr=-0.05", "client.lr: -0.05: must be > 0"),
+    ("client.batch_size=0", "client.batch_size: 0: must be >= 1"),
+    ("client.epochs=0", "client.epochs: 0: must be >= 1"),
+    ("client.momentum=high", "client.momentum: 'high': input should be a valid number"),
+    ("methods.dense.epochs=ten", "methods.dense.epochs: 'ten': input should be a valid integer"),
+    ("methods.central.client.epochs=ten", "methods.central.client.epochs: 'ten': input should be a valid integer"),
+    ("methods.dense.lr=-1", "methods.dense.lr: -1: must be > 0"),
+    ("methods.feddf.steps=-5", "methods.feddf.steps: -5: must be >= 1"),
+    ("methods.dense.nope=1", "methods.dense.nope: unknown key; valid: "),
+    ("flower.timeout=0", "flower.timeout: 0: must be > 0"),
+    ("simulator.batch_clients=often", "simulator.batch_clients: 'often': input should be a valid boolean"),
+])
+def test_a_bad_value_fails_before_any_data_loads_with_one_line_naming_key_value_and_range(
+        tmp_path, tiny_config, capsys, override, line):
+    """The data root does not exist: a check that ran after loading would fail on the data instead."""
+    import yaml
+
+    from hetfl.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**tiny_config, "dataset": "mnist", "data": {},
+                                    "methods": {"dense": {}, "central": {}, "feddf": {}}}))
+    assert main(["run", str(path), "--data-root", str(tmp_path / "no-data"), "--set", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hetfl: error: {line}"), err

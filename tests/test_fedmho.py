@@ -419,21 +419,19 @@ def test_unknown_method_key_fails_in_config(tiny_config):
     ("fedmho", {"generative_clients": [0, 1, 2]}, "needs at least one classification client"),
     ("fedmho_sd", {"cvae": "cvae_huge"}, "unknown cvae"),
     ("fedmho_md", {"lam": 2.0}, "lambda"),
-    ("fedmho_sd", {"freeze_bn": "yes"}, "freeze_bn"),
+    ("fedmho_sd", {"freeze_bn": "yes"}, "methods.fedmho_sd.freeze_bn: 'yes': input should be a valid boolean"),
     ("fedmho", {"init": "average"}, "init: average needs"),
     ("fedmho", {"init": "scratch"}, "init must be auto, average, distill or random"),
     ("fedcvae_kd", {"z_range": -1}, "z_range"),
-    ("fedcvae_ens", {"cvae_lr": 0}, "cvae lr"),
-    ("fedcvae_ens", {"precision": "fp16"}, "precision must be fp32 or bf16"),
-    ("fedmho_md", {"channels_last": "yes"}, "channels_last must be true or false"),
+    ("fedcvae_ens", {"cvae_lr": 0}, "methods.fedcvae_ens.cvae_lr: 0: must be > 0"),
+    ("fedcvae_ens", {"precision": "fp16"}, "methods.fedcvae_ens.precision: 'fp16': must be one of 'fp32' or 'bf16'"),
+    ("fedmho_md", {"channels_last": "yes"}, "methods.fedmho_md.channels_last: 'yes': input should be a valid boolean"),
 ])
 def test_bad_settings_fail_before_any_training(tiny_config, tmp_path, method, params, message):
     tiny_config["client"]["model"] = ["cnn2", "lenet5"] if params.get("init") == "average" else "cnn2"
     tiny_config["methods"] = {"fedavg": {}, method: params}
-    cfg = validate(tiny_config)
-    sim = Simulator(prepare(cfg), tmp_path, cache_dir=None, quiet=True)
-    with pytest.raises(ValueError, match=message):
-        sim.run()
+    with pytest.raises(ValueError, match=message):  # a declared key's type or range: already at validate
+        Simulator(prepare(validate(tiny_config)), tmp_path, cache_dir=None, quiet=True).run()
     assert not (tmp_path / "fedavg" / "metrics.jsonl").exists()  # nothing trained
 
 

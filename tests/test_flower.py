@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -302,7 +304,7 @@ def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path
 
 # ---- CLI ------------------------------------------------------------------------------------------
 def test_core_package_does_not_import_flwr() -> None:
-    code = ("import sys, hetfl, hetfl.cli, hetfl.methods, hetfl.engine.simulator, hetfl.reproduce.fedhydra; "
+    code = ("import sys, hetfl, hetfl.cli, hetfl.methods, hetfl.engine.simulator, hetfl.reproduce.runner; "
             "sys.exit(int(any(m == 'flwr' or m.startswith('flwr.') for m in sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -324,11 +326,57 @@ def test_certs_and_node_keys_are_valid(tmp_path: Path) -> None:
     assert private.curve.name == "secp384r1" and public.public_numbers() == private.public_key().public_numbers()
 
 
-def test_flower_local_rejects_a_node_count_that_differs_from_the_config(tmp_path: Path, capsys) -> None:
+def test_flower_local_refuses_simulator_only_methods_before_any_process_and_takes_clients(tmp_path: Path, capsys,
+                                                                                          monkeypatch) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(BASE))
-    assert main(["flower", "local", str(cfg), "--clients", "5", "--out", str(tmp_path / "o")]) == 2
-    assert "differs from the config's clients: 3" in capsys.readouterr().err
+    cfg.write_text(yaml.safe_dump({**BASE, "methods": {"fedavg": {}, "central": {}}}))
+    homes = set(Path(tempfile.gettempdir()).glob("hetfl-flower-*"))
+    assert main(["flower", "local", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert "methods ['central'] read the clients' raw data on the server" in capsys.readouterr().err
+    assert set(Path(tempfile.gettempdir()).glob("hetfl-flower-*")) == homes  # nothing started
+    seen = {}
+    monkeypatch.setattr("hetfl.engine.flower_local.run_local",
+                        lambda cfg, out, **kw: seen.update(cfg) or {"results": {}})
+    monkeypatch.setattr("hetfl.report.write_plots", lambda out, summary: [])
+    monkeypatch.setattr("hetfl.report.results_table", lambda results: "")
+    assert main(["flower", "local", str(cfg), "--clients", "5", "--methods", "fedavg", "--out", str(tmp_path)]) == 0
+    assert seen["clients"] == 5 and list(seen["methods"]) == ["fedavg"]
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readmes_flower_example_runs_as_written(tmp_path: Path, capsys) -> None:
+    line = next(x for x in README.read_text().splitlines() if "hetfl flower local configs/" in x)
+    command = line.split("`")[1].split()
+    assert command[0] == ".venv/bin/hetfl"
+    os.chdir(README.parent)
+    assert main([*command[1:], "--out", str(tmp_path / "o")]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["engine"]["status"] == "finished:completed" and summary["engine"]["tls"] is True
+    assert set(summary["results"]) == {"fedavg", "ensemble"}
+
+
+def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BASE, "client": {**BASE["client"], "epochs": 50}}))
+    proc = subprocess.Popen([sys.executable, "-m", "hetfl.cli", "flower", "local", str(cfg), "--tls", "--out",
+                             str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    home = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "FLWR_HOME" in line:
+            home = Path(line.rsplit("FLWR_HOME", 1)[1].strip())
+        if "submitted" in line:
+            break
+    assert home is not None and (home / "certificates").is_dir()
+    time.sleep(2)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while (live_processes_with_home(home) or home.exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_processes_with_home(home) == [] and not home.exists()
 
 
 def test_flower_local_cli_stops_everything_on_ctrl_c(tmp_path: Path) -> None:

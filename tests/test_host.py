@@ -79,32 +79,3 @@ def test_hetfl_run_flushes_subnormals_where_the_config_asks_and_records_it(tmp_p
     assert runs[False]["environment"]["flush_denormal"] is False
     assert runs[True]["config"]["simulator"]["flush_denormal"] is True
     assert runs[True]["environment"]["flush_denormal"] is True
-
-
-def test_reproduce_flags_and_its_workers_flush_where_asked(tmp_path):
-    """``hetfl reproduce --flush-denormal`` puts ``simulator.flush_denormal`` into every cell, and a worker
-    process (``--jobs``) sets the flags before its first torch work when its cell asks for them."""
-    import argparse
-    import json
-
-    import torch
-
-    from hetfl.cli import build_parser
-    from hetfl.methods.checks import validate
-    from hetfl.reproduce.common import simulator_flags
-    from tests.conftest import TINY_CONFIG
-
-    args = build_parser().parse_args(["reproduce", "fedhydra", "--flush-denormal", "--batch-clients"])
-    assert simulator_flags(args) == {"batch_clients": True, "flush_denormal": True}
-    assert simulator_flags(build_parser().parse_args(["reproduce", "fedmho"])) == {}
-    assert simulator_flags(argparse.Namespace()) == {}
-    if not torch.set_flush_denormal(False):  # (False: the default, so nothing changes in this process)
-        pytest.skip("this CPU cannot flush subnormal floats (torch.set_flush_denormal)")
-    cfg = validate({**TINY_CONFIG, "device": "cpu", "client": {**TINY_CONFIG["client"], "epochs": 1},
-                    "methods": {"fedavg": {}}, "simulator": {"flush_denormal": True}})
-    job = {"config": cfg, "out": str(tmp_path / "cell"), "cache": None, "data_root": None, "quiet": True, "threads": 2}
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    subprocess.run([sys.executable, "-m", "hetfl.reproduce.worker", str(tmp_path / "job.json")], check=True,
-                   capture_output=True, text=True)
-    summary = json.loads((tmp_path / "cell" / "summary.json").read_text())
-    assert summary["environment"]["flush_denormal"] is True

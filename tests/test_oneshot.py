@@ -347,7 +347,7 @@ def test_feddf_bf16_tracks_fp32_and_hands_back_a_contiguous_student(tmp_path):
     assert abs(fp32["accuracy"] - bf16["accuracy"]) <= 5.0  # same uploads, same batches; bf16 rounding only
     assert set(bf16["models"]) == {"feddf", "feddf[lenet5]", "feddf[vote]"}
     cfg["methods"] = {"feddf": {**feddf, "precision": "fp16"}}
-    with pytest.raises(ValueError, match="precision must be fp32 or bf16"):
+    with pytest.raises(ValueError, match="methods.feddf.precision: 'fp16': must be one of 'fp32' or 'bf16'"):
         Simulator(prepare(validate(cfg)), tmp_path / "bad", tmp_path / "cache", quiet=True).run()
 
 
@@ -562,7 +562,7 @@ def test_fedhydra_dense_runs_fedhydra_in_denses_loop(tmp_path):
     assert (p["reset_generator"], p["optimize_z"], p["adv_mask"], p["keep"], p["pool_size"], p["replay"]) == (
         True, True, "disagree", "best", -1, -1)
     for key, bad, message in [("keep", "last", "keep must be 'all' or 'best'"),
-                              ("optimize_z", 1, "optimize_z must be true or false")]:
+                              ("optimize_z", 1, "optimize_z: 1: input should be a valid boolean")]:
         with pytest.raises(ValueError, match=message):
             FedHydra({key: bad}).check(None)
     with pytest.raises(ValueError, match="optimize_z needs reset_generator"):
@@ -643,7 +643,7 @@ def test_u_transform_on_feeds_the_transform_to_one_normalisation_only(tmp_path):
 def test_bad_generator_settings_fail_before_any_training(tmp_path):
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedavg": {}, "dense": {"epochs": 0}}
-    with pytest.raises(ValueError, match="methods.dense: epochs, generator_steps >= 1"):
+    with pytest.raises(ValueError, match="methods.dense.epochs: 0: must be >= 1"):
         Simulator(prepare(validate(cfg)), tmp_path, None, quiet=True).run()
     assert not (tmp_path / "fedavg" / "fedavg.safetensors").exists()
 
@@ -656,7 +656,7 @@ def test_fedhydra_ablation_keys_are_validated_and_adv_mask_selects_samples():
                               ("column_scale", "max", "column_scale must be"),
                               ("adv_mask", "both", "adv_mask must be one of"),
                               ("saturated", "min", "saturated must be 'eq2'"),
-                              ("reset_generator", "yes", "reset_generator must be true or false")]:
+                              ("reset_generator", "yes", "reset_generator: 'yes': input should be a valid boolean")]:
         with pytest.raises(ValueError, match=message):
             FedHydra({key: bad}).check(None)
     m, c = 2, 3
@@ -838,8 +838,8 @@ def test_config_key_holds_every_setting_that_changes_the_model_and_not_the_check
     from hetfl.fl.datafree import DataFreeConfig, config_key
 
     base = json.loads(config_key(DataFreeConfig()))
-    assert base["grad_clip"] == 0.0 and base["pool_shuffle"] is True and "checkpoint_every_s" not in base
-    for key, value in (("grad_clip", 5.0), ("distill_precision", "bf16"), ("compile", True), ("pool_shuffle", False)):
+    assert base["grad_clip"] == 0.0 and base["pool_shuffle"] is False and "checkpoint_every_s" not in base
+    for key, value in (("grad_clip", 5.0), ("distill_precision", "bf16"), ("compile", True), ("pool_shuffle", True)):
         assert json.loads(config_key(DataFreeConfig(**{key: value})))[key] == value
     assert config_key(DataFreeConfig(), method="dense") != config_key(DataFreeConfig(grad_clip=1.0), method="dense")
     assert config_key(DataFreeConfig(checkpoint_every_s=5.0)) == config_key(DataFreeConfig())
@@ -1016,20 +1016,21 @@ def test_strat_precision_bf16_puts_only_the_generators_in_bf16_and_keeps_u_close
     assert torch.equal(fh.stratify_losses(teachers, **kw, precision="fp32"), L32)  # fp32: as before
 
 
-def test_strat_precision_is_checked_and_stays_out_of_older_keys_at_fp32(tmp_path):
+def test_strat_precision_is_checked_and_is_part_of_the_checkpoint_key(tmp_path):
     import hetfl.methods  # noqa: F401
     from hetfl.fl.datafree import config_key
     from hetfl.fl.method import create_method
     from hetfl.fl.payload import Payload
 
     ctx = type("Ctx", (), {"device": CPU})()
-    with pytest.raises(ValueError, match="fedhydra: strat_precision must be fp32 or bf16"):
+    with pytest.raises(ValueError, match="strat_precision: 'fp16': must be one of 'fp32' or 'bf16'"):
         create_method("fedhydra", {"strat_precision": "fp16"}).check(ctx)
     uploads = {0: Payload(meta={"client_id": 0}, tensors={})}
     method = create_method("fedhydra", {"epochs": 3})
     assert method.params["strat_precision"] == "fp32"
-    older = {k: v for k, v in method.params.items() if k != "strat_precision"}  # a checkpoint from before the key
-    assert method.checkpoint_key(uploads) == config_key(method.config, method="fedhydra", params=older, uploads=[0])
+    assert method.checkpoint_key(uploads) == config_key(method.config, method="fedhydra", params=method.params,
+                                                        uploads=[0])
+    assert json.loads(method.checkpoint_key(uploads))["params"]["strat_precision"] == "fp32"
     bf16 = create_method("fedhydra", {"epochs": 3, "strat_precision": "bf16"})
     assert json.loads(bf16.checkpoint_key(uploads))["params"]["strat_precision"] == "bf16"
 

@@ -29,6 +29,17 @@ def out_folder(path: str | Path) -> Path:
     return path
 
 
+def select_methods(cfg: dict, text: str | None) -> None:
+    """``--methods a,b``: keep only these labels of the config, in this order."""
+    if not text:
+        return
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    missing = [m for m in chosen if m not in cfg["methods"]]
+    if missing:
+        raise ConfigError(f"--methods {missing} not in the config's methods {list(cfg['methods'])}")
+    cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="experiment YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -44,12 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg["simulator"]["flush_denormal"]:
         flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
-    if args.methods:
-        chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
-        missing = [m for m in chosen if m not in cfg["methods"]]
-        if missing:
-            raise ConfigError(f"--methods {missing} not in the config's methods {list(cfg['methods'])}")
-        cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
+    select_methods(cfg, args.methods)
     if args.device:
         cfg["device"] = args.device
     out = out_folder(args.out or Path("runs") / cfg["name"])
@@ -72,7 +78,8 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
         raise ConfigError(f"the Flower engine needs the extra: pip install 'hetfl[flower]' ({err})") from err
     from hetfl.report import results_table, write_plots
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + ([f"clients={args.clients}"] if args.clients else []))
+    select_methods(cfg, args.methods)
     if args.device:
         check_device(args.device)
         cfg["device"] = args.device
@@ -84,7 +91,7 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
     try:
-        summary = run_local(cfg, out, num_nodes=args.clients, tls=args.tls or args.auth, auth=args.auth,
+        summary = run_local(cfg, out, tls=args.tls or args.auth, auth=args.auth,
                             data_root=args.data_root, timeout=args.timeout, log=show)
     except FlowerError as err:
         print(f"hetfl: flower: {err}", file=sys.stderr)
@@ -237,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     flower_sub = flower.add_subparsers(dest="flower_command", required=True)
     local = flower_sub.add_parser("local", help="a SuperLink and N SuperNodes on 127.0.0.1, one run, clean stop")
     _add_config_args(local)
-    local.add_argument("--clients", type=int, default=None, help="number of SuperNodes (default: the config's)")
+    local.add_argument("--clients", type=int, default=None,
+                       help="number of clients, one SuperNode each (default: the config's clients)")
+    local.add_argument("--methods", default=None, help="run only these methods of the config (comma-separated)")
     local.add_argument("--tls", action="store_true", help="throw-away CA and certificates; everything over TLS")
     local.add_argument("--auth", action="store_true", help="TLS plus SuperNode authentication (registered keys)")
     local.add_argument("--timeout", type=float, default=24 * 3600, help="give up on the run after this many s")

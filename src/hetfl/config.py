@@ -17,6 +17,7 @@ import yaml
 
 from hetfl.data import DATASET_NAMES
 from hetfl.data.partition import validate_spec
+from hetfl.fl.params import ParamError, check
 from hetfl.fl.train_config import TrainConfig
 from hetfl.models import MODEL_NAMES
 
@@ -42,6 +43,10 @@ FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
 # time on subnormal gradients (several times slower); results
 # change in the last bits, so its uploads are cached apart too.
 SIMULATOR_KEYS = {"batch_clients": False, "flush_denormal": False}
+_ANY = {"type": "any"}
+TOP_RANGES = {"clients": {"type": "int", "ge": 1}, "dataset": {"type": "str"}, "min_clients": {"ge": 1},
+              **{k: _ANY for k in ("data", "partition", "client", "server", "methods", "flower", "simulator")}}
+FLOWER_RANGES = {"timeout": {"gt": 0}, "node_wait": {"gt": 0}}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}
 SERVER_KEYS = {"model"}
 REQUIRED = ("dataset", "partition", "clients", "methods")
@@ -105,17 +110,12 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults and check every key; returns a new dictionary."""
     if not isinstance(cfg, dict):
         raise ConfigError("a config must be a YAML mapping")
-    _check_keys("config", cfg, set(TOP_KEYS))
-    cfg = {**copy.deepcopy(TOP_KEYS), **copy.deepcopy(cfg)}
     for key in REQUIRED:
         if cfg.get(key) in (None, {}, ""):
             raise ConfigError(f"config: '{key}' is required")
+    cfg = copy.deepcopy(_checked("config", TOP_KEYS, cfg, TOP_RANGES, ""))
     if cfg["dataset"] not in DATASET_NAMES:
         raise ConfigError(f"dataset: unknown {cfg['dataset']!r}; choose one of: {', '.join(DATASET_NAMES)}")
-    if not isinstance(cfg["clients"], int) or cfg["clients"] < 1:
-        raise ConfigError(f"clients must be a positive integer, got {cfg['clients']!r}")
-    if not isinstance(cfg["seed"], int):
-        raise ConfigError(f"seed must be an integer, got {cfg['seed']!r}")
     check_device(cfg["device"])
     if not isinstance(cfg["partition"], dict):
         raise ConfigError("partition must be a mapping such as {kind: dirichlet, alpha: 0.1}")
@@ -133,32 +133,29 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg["server"].setdefault("model", client_archs(cfg)[0])
     _check_model("server.model", cfg["server"]["model"])
     try:
-        TrainConfig(**{k: v for k, v in cfg["client"].items() if k != "model"})
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"client: {err}") from err
+        TrainConfig.checked({k: v for k, v in cfg["client"].items() if k != "model"})
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if not isinstance(cfg["methods"], dict):
         raise ConfigError("methods must be a mapping of label -> {method: name, parameters}")
     for label, params in cfg["methods"].items():
         if params is not None and not isinstance(params, dict):
             raise ConfigError(f"methods.{label}: parameters must be a mapping, got {params!r}")
         cfg["methods"][label] = dict(params or {})
-    if not isinstance(cfg["min_clients"], int) or cfg["min_clients"] < 1:
-        raise ConfigError(f"min_clients must be a positive integer, got {cfg['min_clients']!r}")
-    flower = dict(cfg["flower"] or {})
-    _check_keys("flower", flower, set(FLOWER_KEYS))
-    cfg["flower"] = {**FLOWER_KEYS, **flower}
-    for key, value in cfg["flower"].items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"flower.{key} must be a positive number of seconds, got {value!r}")
-    simulator = dict(cfg["simulator"] or {})
-    _check_keys("simulator", simulator, set(SIMULATOR_KEYS))
-    cfg["simulator"] = {**SIMULATOR_KEYS, **simulator}
-    for key in SIMULATOR_KEYS:
-        if not isinstance(cfg["simulator"][key], bool):
-            raise ConfigError(f"simulator.{key} must be true or false, got {cfg['simulator'][key]!r}")
-    if not isinstance(cfg["eval_every"], int) or cfg["eval_every"] < 1:
-        raise ConfigError(f"eval_every must be a positive integer, got {cfg['eval_every']!r}")
+    cfg["flower"] = _checked("flower", FLOWER_KEYS, dict(cfg["flower"] or {}), FLOWER_RANGES, "flower")
+    cfg["simulator"] = _checked("simulator", SIMULATOR_KEYS, dict(cfg["simulator"] or {}), {}, "simulator")
     return cfg
+
+
+def _checked(name: str, defaults: dict[str, Any], values: dict[str, Any], ranges: dict[str, Any],
+             where: str) -> dict[str, Any]:
+    """:func:`hetfl.fl.params.check` with its error as a :class:`ConfigError`."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or name}: must be a mapping, got {values!r}")
+    try:
+        return check(name, defaults, values, ranges, where=where)
+    except ParamError as err:
+        raise ConfigError(str(err)) from err
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 CONNECTION = "hetfl"
+OWNER = "owner.pid"  # in each federation's FLWR_HOME: the pid of the hetfl process that made it
+HOME_PREFIX = "hetfl-flower-"
 APP_PYPROJECT = """\
 [build-system]
 requires = ["hatchling"]
@@ -202,7 +204,7 @@ class LocalFederation:
     auth: bool = False
     data_root: str | None = None
     log: Callable[[str], None] = print
-    home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="hetfl-flower-")))
+    home: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix=HOME_PREFIX)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     port: int = 0
     certs: dict[str, Path] = field(default_factory=dict)
@@ -383,6 +385,63 @@ class LocalFederation:
         raise FlowerError(f"run {run_id} did not finish in {timeout:g} s (last status {last!r})")
 
 
+def remote_refusals(cfg: dict[str, Any]) -> list[str]:
+    """The config's methods that only the in-process simulator can run (``runs_remotely = False``)."""
+    from hetfl.fl.method import create_method
+
+    return [label for label, params in cfg["methods"].items()
+            if not getattr(create_method(label, params), "runs_remotely", True)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def remove_federation(home: Path) -> None:
+    """Kill every process of the federation at ``home`` and delete the folder (its TLS keys)."""
+    for _ in range(3):
+        for pid in processes_with_home(home):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def clean_stale_homes(tmp: Path | None = None) -> list[Path]:
+    """Remove the federations a killed ``hetfl flower local`` left behind (owner process gone)."""
+    removed = []
+    for home in sorted(Path(tmp or tempfile.gettempdir()).glob(f"{HOME_PREFIX}*")):
+        try:
+            owner = int((home / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(owner):
+            remove_federation(home)
+            removed.append(home)
+    return removed
+
+
+def watch(parent: int, home: Path, every: float = 0.5) -> None:
+    """The watchdog of one federation: when ``parent`` is gone (kill -9 included) kill every process
+    of the federation and delete ``home``; exit when ``home`` is gone (a normal stop removed it)."""
+    while home.exists():
+        if not _pid_alive(parent):
+            remove_federation(home)
+            return
+        time.sleep(every)
+
+
+def start_watchdog(home: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
+    return subprocess.Popen([sys.executable, "-m", "hetfl.engine.flower_local", "--watch", str(os.getpid()),
+                             str(home)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, tls: bool = False,
               auth: bool = False, data_root: str | None = None, timeout: float = 3600,
               log: Callable[[str], None] = print,
@@ -393,11 +452,19 @@ def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, 
     if num_nodes != cfg["clients"]:
         raise ValueError(f"--clients {num_nodes} differs from the config's clients: {cfg['clients']}; "
                          "each SuperNode holds one client's partition")
+    refused = remote_refusals(cfg)
+    if refused:
+        raise ValueError(f"methods {refused} read the clients' raw data on the server, which only the "
+                         "in-process simulator (hetfl run) has; leave them out (--methods) to run on Flower")
+    for home in clean_stale_homes():
+        log(f"hetfl flower: removed {home}, left by a stopped run")
     data_root = data_root or cfg["data_root"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").unlink(missing_ok=True)
     fed = LocalFederation(num_nodes, tls=tls, auth=auth, data_root=data_root, log=log)
+    (fed.home / OWNER).write_text(str(os.getpid()))
+    watchdog = start_watchdog(fed.home)
     try:
         fed.start()
         log(f"hetfl flower: SuperLink on 127.0.0.1:{fed.port} ({'TLS' if fed.tls else 'insecure'}"
@@ -424,3 +491,10 @@ def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, 
         if left:
             log(f"hetfl flower: could not stop {left}")
         shutil.rmtree(fed.home, ignore_errors=True)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watchdog.wait(timeout=5)  # it sees the folder gone and exits
+
+
+if __name__ == "__main__":  # the watchdog: python -m hetfl.engine.flower_local --watch PARENT_PID HOME
+    if len(sys.argv) == 4 and sys.argv[1] == "--watch":
+        watch(int(sys.argv[2]), Path(sys.argv[3]))

@@ -79,7 +79,6 @@ class ClientExchange:
         self.trained_uploads = 0  # uploads trained and put into the cache (all exchanges)
         self._answered: dict[tuple[int, str], Payload] = {}  # remote one-shot uploads of this run
 
-
     def exchange(self, method: Method, ctx: ServerContext, round_: int, messages: dict[int, Payload],
                  ledger: CommLedger, states: dict[int, dict], cacheable: bool,
                  timing: dict[int, float] | None = None, desc: str = "") -> dict[int, Payload]:
@@ -110,7 +109,6 @@ class ClientExchange:
             ctx.record.setdefault("client_failures", []).append({"round": round_, "client": cid, "reason": reason})
         return accepted
 
-
     def cached(self, messages: dict[int, Payload]) -> dict[int, Payload]:
         """The uploads in the cache for ``messages`` (client -> request); a client without one is left out.
         Nothing trains and nothing is counted."""
@@ -118,7 +116,6 @@ class ClientExchange:
             return {}
         uploads = {cid: self.cache.get(self._key(cid, message)) for cid, message in messages.items()}
         return {cid: upload for cid, upload in uploads.items() if upload is not None}
-
 
     def _remote(self, round_: int, messages: dict[int, Payload],
                 cacheable: bool) -> tuple[dict[int, Payload], dict[int, str]]:
@@ -133,7 +130,6 @@ class ClientExchange:
         if cacheable:
             self._answered.update({keys[cid]: up for cid, up in uploads.items()})
         return {**uploads, **known}, failures
-
 
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
                 states: dict[int, dict], cacheable: bool, timing: dict[int, float] | None = None,
@@ -180,7 +176,6 @@ class ClientExchange:
         ledger.add(round_, cid, "up", upload.nbytes)
         return upload
 
-
     def _train_groups(self, messages: dict[int, Payload], states: dict[int, dict], cacheable: bool,
                       bar: tqdm | None = None) -> dict[int, tuple[Payload, float]]:
         """With ``batch_clients``: the requests not in the cache whose :func:`group_key` they share with
@@ -203,17 +198,14 @@ class ClientExchange:
             done.update({cid: (upload, seconds) for cid, upload in zip(cids, uploads)})
         return done
 
-
     def _env(self, cid: int, states: dict[int, dict], bar: tqdm | None = None, label: str = "") -> ClientEnv:
         env = ClientEnv(cid, self.exp.client_data[cid], self.exp.device, states.setdefault(cid, {}))
         if bar is not None:
             env.progress = lambda epoch, loss: bar.set_postfix(client=label or cid, epoch=epoch, loss=f"{loss:.3f}")
         return env
 
-
     def _key(self, cid: int, message: Payload) -> str:
         return request_key(self._fingerprint(cid), message, self.exp.device)
-
 
     def _fingerprint(self, cid: int) -> dict[str, Any]:
         """What the cache keys a client's data by; batched training and flushed subnormals mark it

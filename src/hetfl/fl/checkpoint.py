@@ -155,13 +155,14 @@ class TrainState:
 
 @dataclass(frozen=True)
 class TrainCheckpoint:
-    """Where :func:`local_train` keeps a resumable state of a long local training, and how often.
+    """Where :func:`~hetfl.fl.training.local_train` keeps a resumable state of a long local training,
+    and how often.
 
     After a step, when ``every_s`` seconds have passed since the last save, and when the process was
     asked to stop (SIGINT or SIGTERM: :func:`stop_deferred`), one safetensors file at ``path`` receives
     the model's state, the SGD momentum buffers, the default CPU (and, on a GPU, the device's) random
     state that dropout draws from and the :class:`TrainState`: no pickle, written atomically. A later
-    :func:`local_train` with the same checkpoint path goes on from that step, and on the same device
+    ``local_train`` with the same checkpoint path goes on from that step, and on the same device
     with the same thread count it ends with the same bits as a run that was never stopped (tested). The
     caller keys ``path`` by everything that determines the training (the simulator: the upload-cache
     key) and deletes it once the result is safe (:meth:`clear`). A file that cannot be read, or that was

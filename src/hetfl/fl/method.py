@@ -28,6 +28,7 @@ from torch import nn
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.client import train_message
+from hetfl.fl.params import ParamError, check
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.train_config import TrainConfig
 from hetfl.models import MODEL_NAMES, build_model
@@ -86,19 +87,20 @@ class Method(ABC):
     """Common part: a name, documented defaults and validated parameters."""
 
     name: ClassVar[str]
-    defaults: ClassVar[dict[str, Any]] = {}
+    defaults: ClassVar[dict[str, Any]] = {}  # every key with its default: the default's type is the key's type
+    # ranges and choices of keys beyond hetfl.fl.params.COMMON_RANGES, e.g. {"r_th": {"gt": 0, "le": 1}}
+    ranges: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init__(self, params: dict[str, Any] | None = None, label: str | None = None) -> None:
         params = dict(params or {})
-        unknown = sorted(set(params) - set(self.defaults) - {"client"})
-        if unknown:
-            raise ValueError(
-                f"method {self.name!r} does not take {unknown}; valid keys: {sorted(self.defaults) + ['client']}"
-            )
         self.method = type(self).name  # the registered method
         self.name = label or self.method  # the config's label: names outputs and seeds the method's streams
-        self.client_overrides: dict[str, Any] = dict(params.pop("client", {}) or {})
-        self.params = {**self.defaults, **params}
+        overrides = params.pop("client", {}) or {}
+        if not isinstance(overrides, dict):
+            raise ParamError("client", f"{overrides!r}: must be a mapping of local training keys")
+        TrainConfig.checked(overrides, where="client")  # types and ranges of the keys given
+        self.client_overrides: dict[str, Any] = dict(overrides)
+        self.params = check(self.method, self.defaults, params, self.ranges)
 
     def check(self, ctx: ServerContext) -> None:
         """Raise ValueError if this method cannot run on this setting (called by engines for every
@@ -151,6 +153,9 @@ class OneShotMethod(Method):
 
     multi_round: ClassVar[bool] = False
     needs_uploads: ClassVar[bool] = True  # False: the engine skips the client round (central)
+    # False: the server part reads the clients' raw data (ServerContext.pooled_train_data), which only
+    # the in-process simulator has; remote engines refuse the method before any process starts
+    runs_remotely: ClassVar[bool] = True
 
     def client_message(self, client_id: int, ctx: ServerContext) -> Payload:
         """Default request: train the client's classifier from the shared initialisation."""

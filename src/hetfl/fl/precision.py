@@ -35,8 +35,7 @@ def check_compile(device: torch.device) -> None:
 def bf16_native(device_type: str) -> bool:
     """Whether bf16 convolutions and matmuls run on native kernels on this kind of device. A CPU needs
     oneDNN's bf16 instructions (AVX-512 or AMX); without them torch emulates bf16, many times slower
-    than fp32 (measured on a 2-core AVX2 EPYC: a VGG-9 training step at batch 128 took 71-82 s in
-    bf16 autocast against 1.9-2.0 s in fp32, inference on 1,000 images 18.0 s against 2.7 s)."""
+    than fp32 (docs/BENCHMARKS.md)."""
     if device_type == "cpu":
         try:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -58,7 +57,7 @@ def warn_if_bf16_emulated(device: torch.device) -> None:
     _WARNED_EMULATED.add(device.type)
     isa = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type
     warnings.warn(f"precision bf16 on a {device.type} without native bf16 kernels ({isa}): torch emulates "
-                  "them, many times slower than fp32 (a VGG-9 training step 37x slower on an AVX2 CPU). "
+                  "them, many times slower than fp32. "
                   "Use precision fp32 on this machine; bf16 results compare only with bf16 runs.",
                   RuntimeWarning, stacklevel=3)
 

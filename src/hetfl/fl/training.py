@@ -77,7 +77,7 @@ def local_train(
 ) -> dict[str, float]:
     """Train ``model`` in place on ``data`` for ``cfg.epochs`` epochs; returns the last epoch's mean loss.
     With ``checkpoint``, go on from a saved step if there is one, save every ``every_s`` seconds, and
-    on SIGINT or SIGTERM save before stopping (:class:`TrainCheckpoint`)."""
+    on SIGINT or SIGTERM save before stopping (:class:`~hetfl.fl.checkpoint.TrainCheckpoint`)."""
     generator = torch.Generator().manual_seed(seed)
     model = prepare(model, device, cfg.channels_last)
     model.train()

@@ -25,6 +25,7 @@ class Central(OneShotMethod):
     name = "central"
     defaults: dict = {}
     needs_uploads = False  # trains on pooled raw data instead
+    runs_remotely = False
     CHECKPOINT_EVERY_S: ClassVar[float] = 120.0  # the training saves its state this often (and on a stop)
 
     def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:

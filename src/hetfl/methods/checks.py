@@ -10,6 +10,7 @@ from typing import Any
 from hetfl import config
 from hetfl.config import ConfigError
 from hetfl.fl.method import create_method
+from hetfl.fl.params import ParamError
 
 
 def check_methods(cfg: dict[str, Any]) -> None:
@@ -18,6 +19,8 @@ def check_methods(cfg: dict[str, Any]) -> None:
     for label, params in cfg["methods"].items():
         try:
             create_method(label, params)
+        except ParamError as err:
+            raise ConfigError(str(err.under(f"methods.{label}"))) from err
         except (TypeError, ValueError) as err:
             raise ConfigError(f"methods.{label}: {err}") from err
 

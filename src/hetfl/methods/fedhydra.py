@@ -258,8 +258,7 @@ class FedHydra(DataFreeMethod):
         path = ctx.out_dir / "stratification.json"
         key = {"seed": ctx.seed, "steps": cfg.generator_steps, "batch": self.params["strat_batch_size"],
                "lr": cfg.generator_lr, "nz": cfg.nz, "archs": ctx.client_archs}
-        if self.params["strat_precision"] != "fp32":  # fp32 files, written before the key, stay valid
-            key["precision"] = self.params["strat_precision"]
+        key["precision"] = self.params["strat_precision"]
         saved = json.loads(path.read_text()) if ctx.resume and path.is_file() else {}
         if saved.get("key") == key and "L_min" in saved:
             U, L_min = (torch.tensor(saved[n], dtype=torch.float64) for n in ("U", "L_min"))

@@ -98,6 +98,12 @@ class GenerativeMethod(OneShotMethod):
     CVAE requests and decoder uploads, resumable training stages on the synthetic set."""
 
     CHECKPOINT_EVERY_S: ClassVar[float] = 300.0  # a training stage saves its state this often (and at its end)
+    # None: the per-dataset default; cvae: one name or a list of names (checked by resolve_names)
+    ranges: ClassVar[dict[str, dict[str, Any]]] = {
+        "cvae": {"type": "any"}, "generative_clients": {"type": "any"},
+        "cvae_epochs": {"type": "int", "ge": 1}, "cvae_lr": {"type": "float", "gt": 0},
+        "epochs": {"type": "int", "ge": 1}, "lr": {"type": "float", "gt": 0}, "num_samples": {"ge": 1},
+        "latent_dim": {"ge": 1}, "cvae_batch_size": {"ge": 1}}
 
     def cvae_train(self, ctx: ServerContext) -> CVAETrain:
         epochs, lr = CVAE_DEFAULTS.get(ctx.dataset, OTHER_CVAE)
