@@ -373,17 +373,20 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedhydra": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
                                    "checkpoint_every": 1, "cosine": True}}
-    full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True).run()
+    full = Simulator(prepare(validate(cfg)), tmp_path / "full", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
 
     def crash() -> None:
         raise KeyboardInterrupt  # at once: epochs 1-2 are saved, epoch 3 is lost
 
     calls = stop_in_epoch_3(monkeypatch, crash)
     with pytest.raises(KeyboardInterrupt):
-        Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+        Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        resumed = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+        resumed = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]  # the schedule is fast-forwarded quietly
     assert calls == [1, 2, 3, 3, 4]  # epochs 1-2 were not redone
     r, f = resumed["results"]["fedhydra"], full["results"]["fedhydra"]
@@ -403,7 +406,8 @@ def test_data_free_server_stage_resumes_after_interruption(tmp_path, monkeypatch
     info = json.loads(info_path.read_text())
     info["history"][0] = 99.0
     info_path.write_text(json.dumps(info))
-    again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     assert again["results"]["fedhydra"]["resumed_from_epoch"] == 4
     assert again["results"]["fedhydra"]["best_accuracy"] == 99.0
 
@@ -539,7 +543,8 @@ def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedhydra": {"epochs": 4, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
                                    "checkpoint_every": 2}}
-    first = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    first = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     folder = tmp_path / "run" / "fedhydra"
     assert not list(folder.glob("*.tmp"))  # written beside the target and renamed over it
     info = json.loads((folder / "checkpoint.json").read_text())
@@ -547,7 +552,8 @@ def test_a_checkpoint_pair_that_disagrees_is_rejected_not_half_restored(tmp_path
     info["epoch"] = 2  # as if the blob of epoch 4 had landed and the info file had not
     (folder / "checkpoint.json").write_text(json.dumps(info))
     with pytest.warns(UserWarning, match="checkpoint files disagree"):
-        again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+        again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     assert "resumed_from_epoch" not in again["results"]["fedhydra"]  # started afresh
     assert again["results"]["fedhydra"]["accuracy"] == pytest.approx(first["results"]["fedhydra"]["accuracy"])
 
@@ -570,7 +576,8 @@ def test_fedhydra_dense_runs_fedhydra_in_denses_loop(tmp_path):
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedhydra_dense": {"epochs": 3, "generator_steps": 3, "batch_size": 16, "strat_batch_size": 4,
                                          "checkpoint_every": 1}}
-    out = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    out = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     r = out["results"]["fedhydra_dense"]
     assert 0.0 <= r["accuracy"] <= 100.0 and np.isfinite(r["best_accuracy"])
     info = json.loads((tmp_path / "run" / "fedhydra_dense" / "checkpoint.json").read_text())
@@ -678,10 +685,12 @@ def test_fedhydra_with_a_replay_pool_checkpoints_and_resumes(tmp_path):
     cfg = json.loads(json.dumps(SMOKE))
     cfg["methods"] = {"fedhydra": {"epochs": 3, "generator_steps": 2, "batch_size": 16, "strat_batch_size": 4,
                                    "checkpoint_every": 1, "pool_size": -1, "replay": 2}}
-    first = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    first = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     info = json.loads((tmp_path / "run" / "fedhydra" / "checkpoint.json").read_text())
     assert info["epoch"] == 3 and info["pool"] == 3 * 2  # every intermediate batch of every epoch kept
-    again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    again = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True,
+                  keep_checkpoints=True).run()
     assert again["results"]["fedhydra"]["resumed_from_epoch"] == 3
     assert again["results"]["fedhydra"]["accuracy"] == pytest.approx(first["results"]["fedhydra"]["accuracy"])
 

@@ -198,7 +198,7 @@ def test_multi_round_fedavg_learns_samples_clients_and_resumes(tmp_path, tiny_co
     # interrupt after round 2: rewrite the checkpoint as if the run had stopped there
     part = tmp_path / "part"
     tiny_config["methods"]["fedavg"]["rounds"] = 2
-    run(tiny_config, part)
+    run(tiny_config, part, keep_checkpoints=True)
     info = json.loads((part / "fedavg" / "checkpoint.json").read_text())
     tiny_config["methods"]["fedavg"]["rounds"] = 4
     assert info["round"] == 2
@@ -426,6 +426,14 @@ def test_cpu_bf16_units_read_the_flags_line():
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():  # this machine's own flags, read the same way
         assert cpu_bf16_units() == cpu_bf16_units(cpuinfo.read_text())
+
+
+def test_a_finished_stage_leaves_no_checkpoint_unless_asked(tmp_path, tiny_config):
+    tiny_config["methods"] = {"fedavg": {"rounds": 2}}
+    run(tiny_config, tmp_path / "run")
+    assert not list((tmp_path / "run" / "fedavg").glob("checkpoint*"))
+    run(tiny_config, tmp_path / "kept", keep_checkpoints=True)
+    assert (tmp_path / "kept" / "fedavg" / "checkpoint.json").is_file()
 
 
 def test_two_labels_of_one_method_run_and_report_apart(tmp_path, tiny_config):

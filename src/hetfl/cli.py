@@ -63,7 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cache = None if args.no_cache else Path(args.cache_dir)
     print(f"{cfg['name']}: {cfg['dataset']} ({len(exp.splits.train)} train / {len(exp.splits.test)} test), "
           f"{cfg['clients']} clients, partition {cfg['partition']}, device {exp.device}", flush=True)
-    summary = Simulator(exp, out, cache, quiet=args.quiet, resume=not args.fresh, data_root=args.data_root).run()
+    summary = Simulator(exp, out, cache, quiet=args.quiet, resume=not args.fresh, data_root=args.data_root,
+                        keep_checkpoints=args.keep_checkpoints).run()
     plots = write_plots(out, summary)
     print(results_table(summary["results"]))
     print(f"wrote {out / 'summary.json'}, metrics.jsonl, partition.json and {', '.join(p.name for p in plots)}")
@@ -237,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--methods", default=None, help="run only these methods of the config (comma-separated)")
     run.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: the config's)")
     run.add_argument("--fresh", action="store_true", help="ignore checkpoints in the output folder")
+    run.add_argument("--keep-checkpoints", action="store_true",
+                     help="keep each method's checkpoints after it finished (default: removed)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.set_defaults(func=cmd_run)
 

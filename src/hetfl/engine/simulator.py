@@ -60,8 +60,10 @@ class Simulator:
 
     def __init__(self, exp: Experiment, out_dir: Path, cache_dir: Path | None = None,
                  quiet: bool = False, resume: bool = True, data_root: str | None = None,
-                 transport: Transport | None = None, checkpoint_every_s: float | None = 120.0) -> None:
+                 transport: Transport | None = None, checkpoint_every_s: float | None = 120.0,
+                 keep_checkpoints: bool = False) -> None:
         self.exp = exp
+        self.keep_checkpoints = keep_checkpoints  # False: a method's checkpoints go once its results are written
         self.quiet = quiet
         # the exchange with the clients: the upload cache (under cache_dir), batched clients, a transport
         self.clients = ClientExchange(exp, cache_dir, transport, checkpoint_every_s, self.progress)
@@ -298,6 +300,9 @@ class Simulator:
         for name in exp.cfg["methods"]:
             results[name] = self.run_method(name)
             self.write_summary(results)
+            if not self.keep_checkpoints:  # the stage is done and its results are written
+                for path in (self.out_dir / name).glob("checkpoint*"):
+                    path.unlink(missing_ok=True)
         with open(self.out_dir / "metrics.jsonl", "w") as out:
             for name in exp.cfg["methods"]:
                 if self._metrics_file(name).is_file():
