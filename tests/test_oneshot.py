@@ -466,17 +466,22 @@ def test_status_says_where_a_stopped_run_stands_and_when_it_finished(tmp_path, m
     assert row["seconds_left"] == pytest.approx(row["seconds_per_step"])  # no line yet: mean pace x 1 step
     assert main(["status", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "dense" in out and "not finished" in out and "3/4" in out and " min" in out
-    Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
+    assert "dense" in out and "running" in out and "3/4" in out and " min" in out
+    summary = Simulator(prepare(validate(cfg)), tmp_path / "run", tmp_path / "cache", quiet=True).run()
     (row,) = run_status(tmp_path / "run")
-    assert (row["finished"], row["logged"], row["checkpoint"], row["seconds_left"]) == (True, 4, 4, None)
+    assert (row["state"], row["logged"], row["checkpoint"], row["seconds_left"]) == ("done", 4, None, None)
+    assert (row["last"], row["best"]) == (summary["results"]["dense"]["accuracy"],
+                                          summary["results"]["dense"]["best_accuracy"])  # the final numbers
     assert main(["status", str(tmp_path)]) == 0  # a folder of runs: each run under its name
     assert f"{tmp_path / 'run'}:" not in capsys.readouterr().out  # one run: no heading
     (tmp_path / "run2").mkdir()
     (tmp_path / "run2" / "config.json").write_text((tmp_path / "run" / "config.json").read_text())
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"{tmp_path / 'run'}:" in out and f"{tmp_path / 'run2'}:" in out and "no method has logged" in out
+    assert f"{tmp_path / 'run'}:" in out and f"{tmp_path / 'run2'}:" in out and "pending" in out
+    (tmp_path / "run2" / "dense").mkdir()  # its clients training: 2 of 3 done
+    (tmp_path / "run2" / "dense" / "clients.json").write_text('{"round": 0, "done": 2, "total": 3}')
+    assert [r["state"] for r in run_status(tmp_path / "run2")] == ["clients 2/3"]
     assert main(["status", str(tmp_path / "cache")]) == 2
     assert "not a run folder (no config.json) and no run folder in it" in capsys.readouterr().err
 
@@ -507,7 +512,8 @@ def test_status_prices_the_rest_at_the_recent_pace_and_its_growth(tmp_path):
     assert seconds_left((now - growth * 10, growth), 50, 200) == pytest.approx(left)
     mean_only = (10.0 + 0.5 * 25.5)  # the mean pace to epoch 50 would promise this much less
     assert mean_only * 150 < left - 1800
-    table = status_table([{"method": "dense", "finished": False, "logged": 60, "total": 200, "last": 9.0,
+    table = status_table([{"method": "dense", "state": "running", "finished": False,
+                           "logged": 60, "total": 200, "last": 9.0,
                            "best": 9.0, "best_step": 1, "checkpoint": 50, "seconds_per_step": now,
                            "seconds_left": left}])
     assert f"{left / 60:.0f} min" in table and f"{now:.1f}" in table

@@ -112,55 +112,70 @@ def run_folders(path: Path) -> list[Path]:
 
 
 def run_status(run_dir: Path) -> list[dict[str, Any]]:
-    """One row per method folder with a ``metrics.jsonl`` (module docstring); ValueError for a folder
-    that is not a run's. ``seconds_left`` is the time the steps after the checkpoint take: at the
-    recent pace and its growth where the rows are stamped, else at the mean pace to the checkpoint
-    (a lower bound where steps grow slower, as the data-free loop's do); None for a finished method."""
+    """One row per method of the run's config, in its order (module docstring); ValueError for a folder
+    that is not a run's. ``state`` is ``done`` (in ``summary.json``: final and best accuracy from it),
+    ``clients k/n`` (its clients are training), ``running`` (its server stage has logged steps) or
+    ``pending``. ``seconds_left`` is the time the steps after the checkpoint take: at the recent pace
+    and its growth where the rows are stamped, else at the mean pace to the checkpoint (a lower bound
+    where steps grow slower, as the data-free loop's do); None for a finished method."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir}: not a run folder (no config.json)")
     config = json.loads((run_dir / "config.json").read_text())
     summary = run_dir / "summary.json"
-    finished = set(json.loads(summary.read_text()).get("results", {})) if summary.is_file() else set()
-    out = []
-    for metrics in sorted(run_dir.glob("*/metrics.jsonl")):
-        folder, method = metrics.parent, metrics.parent.name
-        rows = [r for r in jsonl_rows(metrics) if isinstance(r.get("step"), int) and r["step"] > 0]
-        evals = [(r["step"], float(r["accuracy"])) for r in rows if "accuracy" in r]
-        saved, per_step = _saved_at(folder)
-        best = max(evals, key=lambda e: e[1]) if evals else None
-        logged, total = max((r["step"] for r in rows), default=0), _total(config, method)
-        pace = recent_pace(step_seconds(rows))
-        left = None
-        if total and saved is not None and method not in finished:
-            if pace:  # measured at the last logged step: back to the checkpoint, where a resume starts
-                now, growth = pace
-                left = seconds_left((now - growth * max(0, logged - saved), growth), saved, total)
-            elif per_step:
-                left = per_step * max(0, total - saved)
-        out.append({"method": method, "finished": method in finished, "logged": logged, "total": total,
-                    "last": evals[-1][1] if evals else None, "best": best[1] if best else None,
-                    "best_step": best[0] if best else None, "checkpoint": saved,
-                    "seconds_per_step": pace[0] if pace else per_step, "seconds_left": left})
-    return out
+    results = json.loads(summary.read_text()).get("results", {}) if summary.is_file() else {}
+    labels = list(config.get("methods") or {})
+    labels += [p.parent.name for p in sorted(run_dir.glob("*/metrics.jsonl")) if p.parent.name not in labels]
+    return [_method_status(run_dir / label, label, config, results.get(label)) for label in labels]
+
+
+def _method_status(folder: Path, method: str, config: dict[str, Any], result: dict[str, Any] | None) -> dict[str, Any]:
+    metrics = folder / "metrics.jsonl"
+    rows = [r for r in jsonl_rows(metrics) if isinstance(r.get("step"), int) and r["step"] > 0] \
+        if metrics.is_file() else []
+    evals = [(r["step"], float(r["accuracy"])) for r in rows if "accuracy" in r]
+    saved, per_step = _saved_at(folder)
+    best = max(evals, key=lambda e: e[1]) if evals else None
+    logged, total = max((r["step"] for r in rows), default=0), _total(config, method)
+    pace = recent_pace(step_seconds(rows))
+    left = None
+    if total and saved is not None and result is None:
+        if pace:  # measured at the last logged step: back to the checkpoint, where a resume starts
+            now, growth = pace
+            left = seconds_left((now - growth * max(0, logged - saved), growth), saved, total)
+        elif per_step:
+            left = per_step * max(0, total - saved)
+    state = "done" if result is not None else "running" if rows else "pending"
+    clients = folder / "clients.json"
+    if result is None and not rows and clients.is_file():
+        try:
+            progress = json.loads(clients.read_text())
+            state = f"clients {progress['done']}/{progress['total']}"
+        except (ValueError, KeyError):
+            pass
+    last = result["accuracy"] if result is not None else evals[-1][1] if evals else None
+    best_value = result["best_accuracy"] if result is not None else best[1] if best else None
+    return {"method": method, "state": state, "finished": result is not None, "logged": logged, "total": total,
+            "last": last, "best": best_value, "best_step": best[0] if best else None, "checkpoint": saved,
+            "seconds_per_step": pace[0] if pace else per_step, "seconds_left": left}
 
 
 def status_table(rows: list[dict[str, Any]]) -> str:
     """A fixed-width table of :func:`run_status`'s rows."""
     if not rows:
-        return "no method has logged a step yet"
+        return "the config has no methods"
     w = max([14, *(len(r["method"]) for r in rows)])
-    header = (f"{'method':<{w}} {'state':<12} {'logged':>11} {'last %':>7} {'best % (step)':>15} "
+    header = (f"{'method':<{w}} {'state':<12} {'logged':>11} {'final/last %':>12} {'best % (step)':>15} "
               f"{'checkpoint':>10} {'s/step':>7} {'rest':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         total = r["total"]
         logged = f"{r['logged']}/{total}" if total else str(r["logged"])
-        best = f"{r['best']:.2f} ({r['best_step']})" if r["best"] is not None else "-"
+        best = "-" if r["best"] is None else f"{r['best']:.2f}" + (f" ({r['best_step']})" if r["best_step"] else "")
         last = f"{r['last']:.2f}" if r["last"] is not None else "-"
         pace = r["seconds_per_step"]
         rest = f"{r['seconds_left'] / 60:.0f} min" if r.get("seconds_left") is not None else "-"
-        lines.append(f"{r['method']:<{w}} {'finished' if r['finished'] else 'not finished':<12} {logged:>11} "
-                     f"{last:>7} {best:>15} {r['checkpoint'] if r['checkpoint'] is not None else '-':>10} "
+        lines.append(f"{r['method']:<{w}} {r['state']:<12} {logged:>11} "
+                     f"{last:>12} {best:>15} {r['checkpoint'] if r['checkpoint'] is not None else '-':>10} "
                      f"{f'{pace:.1f}' if pace else '-':>7} {rest:>8}")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -67,6 +68,7 @@ class Simulator:
         self.quiet = quiet
         # the exchange with the clients: the upload cache (under cache_dir), batched clients, a transport
         self.clients = ClientExchange(exp, cache_dir, transport, checkpoint_every_s, self.progress)
+        self.clients.on_client = self._client_progress
         self.data_root = data_root
         self.out_dir = Path(out_dir)
         self.resume = resume
@@ -255,6 +257,14 @@ class Simulator:
             method.check(self._context(name, CommLedger(), []))
         except ValueError as err:
             raise ValueError(f"methods.{name}: {err}") from err
+
+    def _client_progress(self, name: str, round_: int, done: int, total: int) -> None:
+        """``<method>/clients.json``: how far the clients of its current exchange are (``hetfl status``)."""
+        folder = self.out_dir / name
+        if folder.is_dir():
+            tmp = folder / "clients.json.tmp"
+            tmp.write_text(json.dumps({"round": round_, "done": done, "total": total, "logged_at": time.time()}))
+            os.replace(tmp, folder / "clients.json")
 
     def run_method(self, name: str) -> dict[str, Any]:
         method: Method = create_method(name, self.exp.cfg["methods"][name])

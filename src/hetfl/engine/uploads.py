@@ -78,6 +78,8 @@ class ClientExchange:
         self.cached_calls = 0  # uploads read from the cache (the simulator resets it per one-shot stage)
         self.trained_uploads = 0  # uploads trained and put into the cache (all exchanges)
         self._answered: dict[tuple[int, str], Payload] = {}  # remote one-shot uploads of this run
+        # called after each local client call: (method label, round, clients done, clients asked)
+        self.on_client: Callable[[str, int, int, int], None] | None = None
 
     def exchange(self, method: Method, ctx: ServerContext, round_: int, messages: dict[int, Payload],
                  ledger: CommLedger, states: dict[int, dict], cacheable: bool,
@@ -88,9 +90,12 @@ class ClientExchange:
         if self.transport is None:
             bar = self.progress(list(messages), desc=desc, unit="client")
             trained = self._train_groups(messages, states, cacheable, bar) if self.batch_clients else {}
-            uploads = {cid: self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar,
-                                         trained.get(cid))
-                       for cid in bar}
+            uploads = {}
+            for done, cid in enumerate(bar, 1):
+                uploads[cid] = self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar,
+                                            trained.get(cid))
+                if self.on_client is not None:
+                    self.on_client(method.name, round_, done, len(messages))
         else:
             for cid, message in messages.items():
                 ledger.add(round_, cid, "down", message.nbytes)
