@@ -355,6 +355,9 @@ def test_the_readmes_flower_example_runs_as_written(tmp_path: Path, capsys) -> N
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["engine"]["status"] == "finished:completed" and summary["engine"]["tls"] is True
     assert set(summary["results"]) == {"fedavg", "ensemble"}
+    shown = capsys.readouterr().out
+    assert "hetfl: round 0: sent" in shown and "HTTP Request" not in shown  # hetfl's progress, not Flower's
+    assert "hetfl: round 0: sent" in (tmp_path / "o" / "flower.log").read_text()  # every line kept there
 
 
 def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) -> None:

@@ -85,24 +85,30 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
         check_device(args.device)
         cfg["device"] = args.device
     out = out_folder(args.out or Path("runs") / f"{cfg['name']}-flower")
-    quiet_prefixes = ("HTTP Request:",)
+    out.mkdir(parents=True, exist_ok=True)
+    flower_log = open(out / "flower.log", "w")  # noqa: SIM115  (closed after the run)
 
     def show(line: str) -> None:
-        if args.verbose or not line.startswith(quiet_prefixes):
+        """Every line to flower.log; on the terminal hetfl's own progress, warnings and errors."""
+        flower_log.write(line + "\n")
+        flower_log.flush()
+        if args.verbose or "hetfl" in line or any(word in line for word in ("WARNING", "ERROR", "Traceback")):
             print(line, flush=True)
 
     try:
         summary = run_local(cfg, out, tls=args.tls or args.auth, auth=args.auth,
                             data_root=args.data_root, timeout=args.timeout, log=show)
     except FlowerError as err:
-        print(f"hetfl: flower: {err}", file=sys.stderr)
+        print(f"hetfl: flower: {err} (the whole log: {out / 'flower.log'})", file=sys.stderr)
         return 1
+    finally:
+        flower_log.close()
     plots = write_plots(out, summary)
     print(results_table(summary["results"]))
     for name, result in summary["results"].items():
         if result.get("missing_clients"):
             print(f"{name}: clients {result['missing_clients']} did not upload (see client_failures)")
-    print(f"wrote {out / 'summary.json'} and {', '.join(p.name for p in plots)}")
+    print(f"wrote {out / 'summary.json'}, flower.log and {', '.join(p.name for p in plots)}")
     return 0
 
 
@@ -254,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--auth", action="store_true", help="TLS plus SuperNode authentication (registered keys)")
     local.add_argument("--timeout", type=float, default=24 * 3600, help="give up on the run after this many s")
     local.add_argument("--device", default=None, help="cpu, cuda, ... (default: the config's)")
-    local.add_argument("--verbose", action="store_true", help="also show Flower's HTTP request lines")
+    local.add_argument("--verbose", action="store_true",
+                       help="show every Flower log line (default: hetfl's progress; all lines go to flower.log)")
     local.set_defaults(func=cmd_flower_local)
     app = flower_sub.add_parser("app", help="write the Flower app folder and run config for `flwr run`")
     _add_config_args(app)

@@ -258,6 +258,14 @@ class Simulator:
         except ValueError as err:
             raise ValueError(f"methods.{name}: {err}") from err
 
+    def _announce(self, i: int, n: int, name: str, elapsed: float) -> None:
+        """The overall progress line: stage i of n and, after the first, the time left at the mean pace of
+        the stages so far (the first one also trains the clients, so early estimates run high)."""
+        if self.quiet:
+            return
+        left = f", about {elapsed / (i - 1) * (n - i + 1) / 60:.1f} min left" if i > 1 else ""
+        tqdm.write(f"hetfl: stage {i} of {n}: {name} ({elapsed / 60:.1f} min so far{left})")
+
     def _client_progress(self, name: str, round_: int, done: int, total: int) -> None:
         """``<method>/clients.json``: how far the clients of its current exchange are (``hetfl status``)."""
         folder = self.out_dir / name
@@ -307,7 +315,9 @@ class Simulator:
         for name, params in exp.cfg["methods"].items():  # every method checks the setting before any training
             self._check(name, create_method(name, params))
         results = {}
-        for name in exp.cfg["methods"]:
+        start, names = time.perf_counter(), list(exp.cfg["methods"])
+        for i, name in enumerate(names, 1):
+            self._announce(i, len(names), name, time.perf_counter() - start)
             results[name] = self.run_method(name)
             self.write_summary(results)
             if not self.keep_checkpoints:  # the stage is done and its results are written
