@@ -1,9 +1,8 @@
 """How far a one-shot parameter average falls under the same clients' logit ensemble, epoch by epoch.
 
 FedMHO's initial model w_0 (Eq. 4) is the parameter average of the classification clients, and the
-paper's FedAvg is the same average. With VGG-9 on Fashion-MNIST Dir(0.5) our average scores 36.5 %
-while the same five clients' logit ensemble scores 58.9 % (docs/results/fedmho-notes.md, thirty-ninth
-session). This script trains a config's clients of one architecture exactly as a ``hetfl run`` of that
+paper's FedAvg is the same average; with VGG-9 clients it can fall far under their logit ensemble
+(docs/results/fedmho.md). This script trains a config's clients of one architecture exactly as a ``hetfl run`` of that
 config does (same shared initialisation, same data order, ``hetfl.fl.training.local_train``) and, at
 each snapshot epoch, evaluates on the test split:
 

@@ -2,8 +2,8 @@
 ``steps`` generator steps at batch ``batch``) two ways, interleaved, and compare the batches they keep.
 
 ``--compare frozen`` (default): the student's weights frozen during the generator's steps
-(:func:`hetfl.fl.training.weights_frozen`, what the loop does) against not (the loop before the
-fifty-third session); the kept batches must be equal to the bit. ``--compare compile``: the loop's
+(:func:`hetfl.fl.training.weights_frozen`, what the loop does) against not; the kept batches must be
+equal to the bit. ``--compare compile``: the loop's
 ``compile: true`` against eager, both frozen; the kept uint8 batches may differ by a rounding step.
 ``--compare channels_last``: the loop's NHWC models (``channels_last: true``, the default) against
 NCHW, both frozen and eager.
