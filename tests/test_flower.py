@@ -343,6 +343,18 @@ def test_flower_local_refuses_simulator_only_methods_before_any_process_and_take
     assert seen["clients"] == 5 and list(seen["methods"]) == ["fedavg"]
 
 
+def test_a_federation_folder_whose_owner_is_gone_is_removed(tmp_path: Path) -> None:
+    from hetfl.engine.flower_local import HOME_PREFIX, OWNER, clean_stale_homes
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, live = tmp_path / f"{HOME_PREFIX}a", tmp_path / f"{HOME_PREFIX}b"
+    for home, pid in ((stale, dead.stdout.strip()), (live, str(os.getpid()))):
+        (home / "certificates").mkdir(parents=True)
+        (home / OWNER).write_text(pid)
+    assert clean_stale_homes(tmp_path) == [stale]
+    assert not stale.exists() and live.exists()
+
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

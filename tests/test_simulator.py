@@ -455,3 +455,12 @@ def test_a_preset_is_a_label_of_its_method_with_overrides_on_top():
     assert (ours.name, ours.method) == ("ours", "fedhydra")
     assert ours.params["u_transform"] == "log1p" and ours.params["epochs"] == 3
     assert create_method("fedhydra_dense_log1p", {}).params == {**ours.params, "epochs": ours.defaults["epochs"]}
+
+
+def test_each_stage_announces_its_place_and_the_time_left(tmp_path, tiny_config, capsys):
+    validated = validate(tiny_config)
+    Simulator(prepare(validated), tmp_path / "run", None, quiet=False).run()
+    err = capsys.readouterr()
+    shown = err.out + err.err
+    assert "hetfl: stage 1 of 2: fedavg (0.0 min so far)" in shown
+    assert "hetfl: stage 2 of 2: ensemble (" in shown and "min left)" in shown
