@@ -151,6 +151,16 @@ def serve(cfg: dict, out: Path, tamper: Callable | None = None) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def test_a_supernodes_partition_leaves_out_the_validation_share_as_the_simulator_does() -> None:
+    cfg = config(validation=0.25)
+    exp = prepare(cfg)
+    for pid in range(cfg["clients"]):
+        data = fa._client_data(json.dumps(cfg, sort_keys=True), "data", pid)
+        assert torch.equal(data.x, exp.client_data[pid].x) and torch.equal(data.y, exp.client_data[pid].y)
+    held = {tuple(r.flatten().tolist()) for r in exp.splits.val.x}
+    assert not any(tuple(r.flatten().tolist()) in held for d in exp.client_data for r in d.x)
+
+
 def test_node_state_survives_in_context_state() -> None:
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     assert fa.state_from_records(ctx) == {}

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from hetfl.cli import main
+from hetfl.config import ConfigError
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.engine.uploads import ClientExchange
 from hetfl.fl.cache import UploadCache, uploads_digest
@@ -464,3 +465,38 @@ def test_each_stage_announces_its_place_and_the_time_left(tmp_path, tiny_config,
     shown = err.out + err.err
     assert "hetfl: stage 1 of 2: fedavg (0.0 min so far)" in shown
     assert "hetfl: stage 2 of 2: ensemble (" in shown and "min left)" in shown
+
+
+def test_validation_share_is_stratified_seeded_and_disjoint_from_every_client(tiny_config):
+    from hetfl.data import hold_out, load_dataset
+
+    tiny_config["validation"] = 0.25
+    exp = prepare(validate(tiny_config))
+    full = load_dataset("synthetic", "data", tiny_config["data"])
+    again = hold_out(full, 0.25, tiny_config["seed"])
+    assert torch.equal(exp.splits.val.x, again.val.x)  # same seed, same share
+    assert len(exp.splits.val) + len(exp.splits.train) == len(full.train)
+    assert torch.bincount(exp.splits.val.y).tolist() == [10, 10, 10, 10]  # 25 % of 40 per class
+    train_rows = {tuple(r.flatten().tolist()) for r in exp.splits.train.x}
+    assert not any(tuple(r.flatten().tolist()) in train_rows for r in exp.splits.val.x)
+    assert sum(len(d) for d in exp.client_data) == len(exp.splits.train)  # the clients share the rest
+    assert hold_out(full, 0.25, 1).val.digest() != exp.splits.val.digest()
+    with pytest.raises(ValueError, match="leaves class 0"):
+        hold_out(full, 0.99, 0)
+    for bad in (0.5, -0.1):
+        with pytest.raises(ConfigError, match=f"validation: {bad}: must be"):
+            validate({**tiny_config, "validation": bad})
+
+
+def test_a_validation_split_adds_the_validation_selected_accuracy_beside_the_test_selected(tmp_path, tiny_config):
+    tiny_config["validation"] = 0.25
+    tiny_config["methods"] = {"fedavg": {"rounds": 3}, "ensemble": {}}
+    res = run(tiny_config, tmp_path / "run")["results"]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    tests = [r["accuracy"] for r in rows if r["step"] >= 1]
+    fedavg = res["fedavg"]
+    assert fedavg["test_selected_accuracy"] == fedavg["best_accuracy"] == max([*tests, fedavg["accuracy"]])
+    assert fedavg["val_selected_accuracy"] in [*tests, fedavg["accuracy"]]
+    assert 0 <= fedavg["best_val_accuracy"] <= 100 and "val_accuracy" in res["ensemble"]
+    plain = run({**tiny_config, "validation": 0.0}, tmp_path / "plain")["results"]["fedavg"]
+    assert "val_selected_accuracy" not in plain and plain["test_selected_accuracy"] == plain["best_accuracy"]

@@ -30,6 +30,8 @@ TOP_KEYS = {
     "name": "experiment", "seed": 0, "dataset": None, "data": {}, "data_root": "data",
     "partition": None, "clients": None, "client": {}, "server": {}, "methods": None,
     "device": "auto", "eval_every": 1, "min_clients": 1, "flower": {}, "simulator": {},
+    # a stratified, seeded share of the training split held out before partitioning (0: none)
+    "validation": 0.0,
 }
 # Settings of the Flower engine (ignored by the in-process simulator): seconds to wait for the
 # uploads of one exchange, and for the SuperNodes to connect before the first exchange.
@@ -45,6 +47,7 @@ FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
 SIMULATOR_KEYS = {"batch_clients": False, "flush_denormal": False}
 _ANY = {"type": "any"}
 TOP_RANGES = {"clients": {"type": "int", "ge": 1}, "dataset": {"type": "str"}, "min_clients": {"ge": 1},
+              "validation": {"ge": 0, "lt": 0.5},
               **{k: _ANY for k in ("data", "partition", "client", "server", "methods", "flower", "simulator")}}
 FLOWER_RANGES = {"timeout": {"gt": 0}, "node_wait": {"gt": 0}}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}

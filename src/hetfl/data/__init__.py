@@ -6,7 +6,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from hetfl.data.base import DataFormatError, DatasetSplits, ImageDataset
+from hetfl.data.base import DataFormatError, DatasetSplits, ImageDataset, hold_out
 from hetfl.data.partition import PARTITION_KINDS, Partition, PartitionError, make_partition
 from hetfl.data.synthetic import load_synthetic
 
@@ -37,6 +37,6 @@ def load_dataset(name: str, root: str | Path = "data", options: dict[str, Any] |
 
 
 __all__ = [
-    "DATASET_NAMES", "DataFormatError", "DatasetSplits", "ImageDataset", "PARTITION_KINDS",
+    "DATASET_NAMES", "DataFormatError", "DatasetSplits", "ImageDataset", "PARTITION_KINDS", "hold_out",
     "Partition", "PartitionError", "load_dataset", "make_partition",
 ]

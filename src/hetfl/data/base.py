@@ -74,10 +74,12 @@ class ImageDataset:
 
 @dataclass
 class DatasetSplits:
-    """The official train and test splits of one dataset."""
+    """The official train and test splits of one dataset, and a validation share held out of the
+    training split (:func:`hold_out`) or None."""
 
     train: ImageDataset
     test: ImageDataset
+    val: ImageDataset | None = None
 
     @property
     def num_classes(self) -> int:
@@ -86,3 +88,28 @@ class DatasetSplits:
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.train.shape
+
+
+def hold_out(splits: DatasetSplits, fraction: float, seed: int) -> DatasetSplits:
+    """``fraction`` of each class of the training split, drawn with a generator seeded by ``seed``, as a
+    validation split; the rest stays the training split (in its original order), which the clients'
+    partition then divides. Every engine calls this with the config's seed, so the server and every
+    client hold out the same samples. ValueError if a class would be left without training samples."""
+    if fraction <= 0:
+        return splits
+    y = splits.train.y
+    g = torch.Generator().manual_seed(seed)
+    chosen = []
+    for c in range(splits.num_classes):
+        members = (y == c).nonzero().flatten()
+        if len(members) == 0:
+            continue
+        k = max(1, round(fraction * len(members)))
+        if k >= len(members):
+            raise ValueError(f"validation: {fraction} leaves class {c} ({len(members)} samples) without "
+                             "training samples")
+        chosen.append(members[torch.randperm(len(members), generator=g)[:k]])
+    val = torch.cat(chosen).sort().values
+    keep = torch.ones(len(y), dtype=torch.bool)
+    keep[val] = False
+    return DatasetSplits(splits.train.subset(keep.nonzero().flatten()), splits.test, splits.train.subset(val))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from hetfl.config import ConfigError, check_device, client_archs
-from hetfl.data import DatasetSplits, ImageDataset, Partition, load_dataset, make_partition
+from hetfl.data import DatasetSplits, ImageDataset, Partition, hold_out, load_dataset, make_partition
 from hetfl.methods.checks import check_methods
 
 
@@ -56,6 +56,8 @@ class Experiment:
             "dataset": self.cfg["dataset"], "data": self.cfg["data"], "partition": self.cfg["partition"],
             "clients": self.cfg["clients"], "seed": self.cfg["seed"], "client": client_id,
             "indices": hashlib.sha256(idx.astype(np.int64).tobytes()).hexdigest(),
+            # the indices count in the training split left after the validation share: name the share
+            **({"validation": self.cfg["validation"]} if self.cfg.get("validation") else {}),
         }
 
 
@@ -69,6 +71,10 @@ def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool
     device = resolve_device(cfg["device"])
     if splits is None:
         splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
+    try:
+        splits = hold_out(splits, cfg.get("validation", 0.0), cfg["seed"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                                num_classes=splits.num_classes) if partitioned else None
     return Experiment(cfg, splits, partition, client_archs(cfg), device)

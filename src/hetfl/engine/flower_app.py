@@ -37,7 +37,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from hetfl.data import ImageDataset, load_dataset, make_partition
+from hetfl.data import ImageDataset, hold_out, load_dataset, make_partition
 from hetfl.engine.experiment import resolve_device
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.client import ClientEnv, handle
@@ -98,7 +98,7 @@ def experiment_config(run_config: dict[str, Any]) -> dict[str, Any]:
 @lru_cache(maxsize=2)
 def _client_data(cfg_json: str, data_root: str, partition_id: int) -> ImageDataset:
     cfg = json.loads(cfg_json)
-    splits = load_dataset(cfg["dataset"], data_root, cfg["data"])
+    splits = hold_out(load_dataset(cfg["dataset"], data_root, cfg["data"]), cfg.get("validation", 0.0), cfg["seed"])
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                                num_classes=splits.num_classes)
     return splits.train.subset(torch.from_numpy(partition.indices[partition_id]))

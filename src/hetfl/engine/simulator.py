@@ -65,6 +65,7 @@ class Simulator:
                  keep_checkpoints: bool = False) -> None:
         self.exp = exp
         self.keep_checkpoints = keep_checkpoints  # False: a method's checkpoints go once its results are written
+        self._val_history: dict[str, list[float | None]] = {}  # per method, aligned with its test accuracies
         self.quiet = quiet
         # the exchange with the clients: the upload cache (under cache_dir), batched clients, a transport
         self.clients = ClientExchange(exp, cache_dir, transport, checkpoint_every_s, self.progress)
@@ -114,11 +115,24 @@ class Simulator:
         exp, cfg = self.exp, self.exp.cfg
         train_cfg = TrainConfig(**{k: v for k, v in cfg["client"].items() if k != "model"})
 
+        val_history = self._val_history.setdefault(name, [])  # aligned with history; None: not measured
+
+        def validate_model(model: nn.Module) -> dict[str, Any] | None:
+            return evaluate(model, exp.splits.val, exp.device) if exp.splits.val is not None else None
+
         def evaluate_model(model: nn.Module, track: bool = True) -> dict[str, Any]:
             report = evaluate(model, exp.splits.test, exp.device)
             if track:
                 history.append(report["accuracy"])
+                val = validate_model(model)
+                val_history.append(val["accuracy"] if val else None)
+                if val:
+                    report["val_accuracy"] = val["accuracy"]
             return report
+
+        def restore(accuracies: list[float]) -> None:
+            history[:] = list(accuracies)
+            val_history[:] = [None] * len(history)  # the validation accuracies before a resume are not kept
 
         def pooled() -> ImageDataset:
             if exp.partition is None:
@@ -139,7 +153,7 @@ class Simulator:
             log=lambda step, **m: self._log(name, step, **m), progress=self.progress,
             pooled_train_data=pooled, dataset=cfg["dataset"], data_root=Path(self.data_root or cfg["data_root"]),
             resume=self.resume, trim_log=lambda step: self._trim_metrics(name, step),
-            restore_history=lambda accuracies: history.__setitem__(slice(None), list(accuracies)),
+            restore_history=restore, validate=validate_model,
         )
 
     # ---- drivers -------------------------------------------------------------------------------
@@ -179,7 +193,7 @@ class Simulator:
             if info.get("config_hash") == chash:
                 method.load_state_dict(load_file(str(ckpt), device=str(ctx.device)))
                 start_round = info["round"] + 1
-                history[:] = info["history"]
+                ctx.restore_history(info["history"])
                 ledger.records[:] = [tuple(r) for r in info["ledger"]]
                 ctx.record["resumed_from_round"] = info["round"]
         self._trim_metrics(name, start_round - 1 if start_round > 1 else -1)
@@ -277,6 +291,7 @@ class Simulator:
     def run_method(self, name: str) -> dict[str, Any]:
         method: Method = create_method(name, self.exp.cfg["methods"][name])
         ledger, history = CommLedger(), []
+        self._val_history[name] = []
         ctx = self._context(name, ledger, history)
         start = time.perf_counter()
         if isinstance(method, RoundMethod):
@@ -304,8 +319,23 @@ class Simulator:
             "params": method.params,  # the settings it ran with, defaults filled in (they change between versions)
             **ctx.record,
         }
+        result.update(self._selected(name, ctx, models[head], final["accuracy"], history))
         self._log(name, -1, final=True, accuracy=final["accuracy"])
         return json_safe(result)
+
+    def _selected(self, name: str, ctx: ServerContext, model: nn.Module, final: float,
+                  history: list[float]) -> dict[str, Any]:
+        """Model selection, labelled: ``test_selected_accuracy`` = the best test accuracy over the
+        evaluations (the papers' protocol); with a validation split, ``val_selected_accuracy`` = the test
+        accuracy of the evaluation (the final model included) with the best validation accuracy, the
+        earliest among equals."""
+        out: dict[str, Any] = {"test_selected_accuracy": max([final, *history])}
+        val = ctx.validate(model)
+        if val is not None:
+            pairs = [(v, t) for v, t in zip(self._val_history.get(name, []), history) if v is not None]
+            best_val, selected = max([*pairs, (val["accuracy"], final)], key=lambda p: p[0])
+            out.update(val_accuracy=val["accuracy"], best_val_accuracy=best_val, val_selected_accuracy=selected)
+        return out
 
     def run(self) -> dict[str, Any]:
         exp = self.exp

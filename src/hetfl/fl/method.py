@@ -62,6 +62,9 @@ class ServerContext:
     trim_log: Callable[[int], None] = lambda step: None  # drop logged rows after ``step`` (on resume)
     # on resume: the accuracies evaluated before the checkpoint, so best-over-epochs covers every epoch
     restore_history: Callable[[list[float]], None] = lambda accuracies: None
+    # accuracy on the validation split (a share of the training split held out before partitioning),
+    # None without one; ``evaluate`` also records it for every tracked evaluation
+    validate: Callable[[nn.Module], dict[str, Any] | None] = lambda model: None
     record: dict[str, Any] = field(default_factory=dict)
 
     def build(self, arch: str, purpose: str = "global") -> nn.Module:
