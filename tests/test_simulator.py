@@ -200,11 +200,12 @@ def test_multi_round_fedavg_learns_samples_clients_and_resumes(tmp_path, tiny_co
     part = tmp_path / "part"
     tiny_config["methods"]["fedavg"]["rounds"] = 2
     run(tiny_config, part, keep_checkpoints=True)
-    info = json.loads((part / "fedavg" / "checkpoint.json").read_text())
+    info = Payload.read_meta(part / "fedavg" / "checkpoint.safetensors")
     tiny_config["methods"]["fedavg"]["rounds"] = 4
-    assert info["round"] == 2
+    assert info["round"] == 2 and len(info["history"]) == 2 and info["ledger"]
     # a different config (rounds changed) must not resume: hash differs -> fresh run, same result
-    resumed = run(tiny_config, part)["results"]["fedavg"]
+    with pytest.warns(UserWarning, match="not resumed .*written for another config.*start over"):
+        resumed = run(tiny_config, part)["results"]["fedavg"]
     assert resumed["accuracy"] == full["accuracy"]
 
 
@@ -434,7 +435,7 @@ def test_a_finished_stage_leaves_no_checkpoint_unless_asked(tmp_path, tiny_confi
     run(tiny_config, tmp_path / "run")
     assert not list((tmp_path / "run" / "fedavg").glob("checkpoint*"))
     run(tiny_config, tmp_path / "kept", keep_checkpoints=True)
-    assert (tmp_path / "kept" / "fedavg" / "checkpoint.json").is_file()
+    assert (tmp_path / "kept" / "fedavg" / "checkpoint.safetensors").is_file()
 
 
 def test_two_labels_of_one_method_run_and_report_apart(tmp_path, tiny_config):
@@ -500,3 +501,34 @@ def test_a_validation_split_adds_the_validation_selected_accuracy_beside_the_tes
     assert 0 <= fedavg["best_val_accuracy"] <= 100 and "val_accuracy" in res["ensemble"]
     plain = run({**tiny_config, "validation": 0.0}, tmp_path / "plain")["results"]["fedavg"]
     assert "val_selected_accuracy" not in plain and plain["test_selected_accuracy"] == plain["best_accuracy"]
+
+
+def test_a_truncated_round_checkpoint_warns_and_the_rounds_start_over_to_the_same_end(tmp_path, tiny_config):
+    tiny_config["client"]["epochs"] = 1
+    tiny_config["methods"] = {"fedavg": {"rounds": 2}}
+    full = run(tiny_config, tmp_path / "full")["results"]["fedavg"]
+    run(tiny_config, tmp_path / "cut", keep_checkpoints=True)
+    path = tmp_path / "cut" / "fedavg" / "checkpoint.safetensors"
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.warns(UserWarning, match="not resumed"):
+        again = run(tiny_config, tmp_path / "cut")["results"]["fedavg"]
+    assert "resumed_from_round" not in again and again["accuracy"] == full["accuracy"]
+
+
+def test_client_states_travel_with_the_round_checkpoint(tmp_path, tiny_config):
+    tiny_config["methods"] = {"fedavg": {"rounds": 2}}
+    sim = Simulator(prepare(validate(tiny_config)), tmp_path, None, quiet=True)
+    from hetfl.fl.comm import CommLedger
+    from hetfl.fl.method import create_method
+
+    method = create_method("fedavg", {"rounds": 2})
+    ledger = CommLedger()
+    ctx = sim._context("fedavg", ledger, [])
+    method.setup(ctx)
+    states = {0: {"prev": torch.arange(4.0), "seen": 3}, 2: {"note": "x"}}
+    path = tmp_path / "ck.safetensors"
+    sim._save_rounds(path, "h", 1, method, ctx, ledger, [12.5], states, 4.0)
+    restored: dict = {}
+    assert sim._resume_rounds(path, "h", method, ctx, ledger, restored) == 1
+    assert torch.equal(restored[0]["prev"], torch.arange(4.0)) and restored[0]["seen"] == 3
+    assert restored[2] == {"note": "x"} and ctx.record["seconds_before_resume"] == 4.0

@@ -69,6 +69,15 @@ def _saved_at(folder: Path) -> tuple[int | None, float | None]:
         seconds = saved.get("loop_seconds")
         if isinstance(step, int):
             return step, (seconds / step if seconds and step else None)
+    rounds = folder / "checkpoint.safetensors"  # a multi-round method: one file, its metadata says the round
+    if rounds.is_file() and not info.is_file():
+        try:
+            meta = Payload.read_meta(rounds)
+        except (OSError, PayloadError, ValueError):
+            meta = {}
+        if isinstance(meta.get("round"), int):
+            seconds = meta.get("seconds")
+            return meta["round"], (seconds / meta["round"] if seconds and meta["round"] else None)
     for path in sorted(folder.glob("checkpoint-*.safetensors")):  # stage checkpoints, FedDF, central
         try:
             meta = Payload.read_meta(path)

@@ -15,13 +15,14 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -41,7 +42,7 @@ from hetfl.fl.method import (
     create_method,
     sample_clients,
 )
-from hetfl.fl.payload import Payload, json_safe, jsonl_rows
+from hetfl.fl.payload import Payload, PayloadError, json_safe, jsonl_rows
 from hetfl.fl.train_config import TrainConfig
 from hetfl.fl.training import evaluate
 
@@ -185,22 +186,14 @@ class Simulator:
     def _rounds(self, name: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
                 history: list[float], chash: str) -> dict[str, nn.Module]:
         method.setup(ctx)
-        ckpt = ctx.out_dir / "checkpoint.safetensors"
-        ckpt_info = ctx.out_dir / "checkpoint.json"
-        start_round = 1
-        if self.resume and ckpt.is_file() and ckpt_info.is_file():
-            info = json.loads(ckpt_info.read_text())
-            if info.get("config_hash") == chash:
-                method.load_state_dict(load_file(str(ckpt), device=str(ctx.device)))
-                start_round = info["round"] + 1
-                ctx.restore_history(info["history"])
-                ledger.records[:] = [tuple(r) for r in info["ledger"]]
-                ctx.record["resumed_from_round"] = info["round"]
-        self._trim_metrics(name, start_round - 1 if start_round > 1 else -1)
+        ckpt = ctx.out_dir / ROUND_CHECKPOINT
         states: dict[int, dict] = {}
+        start_round = 1 + self._resume_rounds(ckpt, chash, method, ctx, ledger, states) if self.resume else 1
+        self._trim_metrics(name, start_round - 1 if start_round > 1 else -1)
         every = self.exp.cfg["eval_every"]
         bar = self.progress(range(start_round, method.rounds + 1), desc=f"{method.name}: rounds",
                             unit="round", initial=start_round - 1, total=method.rounds)
+        start = time.perf_counter() - ctx.record.get("seconds_before_resume", 0.0)
         for round_ in bar:
             chosen = sample_clients(ctx.num_clients, method.sample_ratio, round_, ctx.seed)
             messages = {cid: method.client_message(cid, round_, ctx) for cid in chosen}
@@ -213,10 +206,61 @@ class Simulator:
                 bar.set_postfix(acc=f"{report['accuracy']:.2f}")
                 ctx.log(round_, accuracy=report["accuracy"], clients=chosen,
                         bytes_up=ledger.total("up"), bytes_down=ledger.total("down"))
-            save_file({k: v.detach().cpu().contiguous() for k, v in method.state_dict().items()}, str(ckpt))
-            ckpt_info.write_text(json.dumps({"config_hash": chash, "round": round_, "history": history,
-                                             "ledger": ledger.records}))
+            self._save_rounds(ckpt, chash, round_, method, ctx, ledger, history, states,
+                              time.perf_counter() - start)
         return method.models()
+
+    def _save_rounds(self, path: Path, chash: str, round_: int, method: RoundMethod, ctx: ServerContext,
+                     ledger: CommLedger, history: list[float], states: dict[int, dict], seconds: float) -> None:
+        """One file, written to a temporary name and renamed (hetfl.fl.payload.Payload.write): the
+        method's state, every client's state (tensors by name, the rest as JSON), the round, the
+        evaluations, the ledger, the client failures and the seconds so far."""
+        tensors = {f"method.{k}": v.detach().cpu().contiguous() for k, v in method.state_dict().items()}
+        client_json: dict[str, dict[str, Any]] = {}
+        for cid, state in states.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"client.{cid}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    client_json.setdefault(str(cid), {})[key] = value
+        meta = {"config_hash": chash, "round": round_, "history": history,
+                "val_history": self._val_history.get(method.name, []), "ledger": ledger.records,
+                "client_failures": ctx.record.get("client_failures", []), "seconds": seconds,
+                "client_state": client_json}
+        Payload(tensors, json_safe(meta)).write(path)
+
+    def _resume_rounds(self, path: Path, chash: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
+                       states: dict[int, dict]) -> int:
+        """The round a checkpoint of this config holds, its state restored; 0 (a fresh start, with a
+        warning) for none, an unreadable or truncated file, or one written for another config."""
+        if not path.is_file():
+            return 0
+        try:
+            saved = Payload.from_bytes(path.read_bytes())
+            meta = saved.meta
+            if meta.get("config_hash") != chash:
+                raise PayloadError("it was written for another config")
+            method.load_state_dict({k[len("method."):]: v.to(ctx.device) for k, v in saved.tensors.items()
+                                    if k.startswith("method.")})
+        except (OSError, PayloadError, KeyError, RuntimeError) as err:
+            warnings.warn(f"{path}: not resumed ({err}); the rounds start over", stacklevel=2)
+            return 0
+        for key, value in saved.tensors.items():
+            if key.startswith("client."):
+                _, cid, name = key.split(".", 2)
+                states.setdefault(int(cid), {})[name] = value
+        for cid, values in meta.get("client_state", {}).items():
+            states.setdefault(int(cid), {}).update(values)
+        ctx.restore_history(meta["history"])
+        val = meta.get("val_history") or []
+        if len(val) == len(meta["history"]):
+            self._val_history[method.name][:] = val
+        ledger.records[:] = [tuple(r) for r in meta["ledger"]]
+        if meta.get("client_failures"):
+            ctx.record["client_failures"] = list(meta["client_failures"])
+        ctx.add_prior_seconds(float(meta.get("seconds", 0.0)))
+        ctx.record["resumed_from_round"] = meta["round"]
+        return int(meta["round"])
 
     def train_uploads(self, methods: dict[str, dict[str, Any]],
                       clients: Collection[int] | None = None) -> dict[str, int]:
@@ -377,6 +421,7 @@ class Simulator:
         return summary
 
 
+ROUND_CHECKPOINT = "checkpoint.safetensors"  # a round method's checkpoint: one file (_save_rounds)
 UPLOADS_TRAINED = "uploads_trained"  # summary key: client uploads the run trained and put in its cache
 
 
