@@ -222,10 +222,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     import hetfl.methods  # noqa: F401
-    from hetfl.fl.method import METHODS
+    from hetfl.fl.method import METHODS, PRESETS
     from hetfl.models import MODEL_NAMES
 
     print("methods:   " + ", ".join(sorted(METHODS)))
+    print("presets:   " + ", ".join(f"{name} ({spec['method']})" for name, spec in sorted(PRESETS.items())))
     print("models:    " + ", ".join(MODEL_NAMES))
     print("datasets:  " + ", ".join(DATASET_NAMES))
     print("partition: " + ", ".join(PARTITION_KINDS))
