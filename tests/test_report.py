@@ -42,6 +42,14 @@ def test_results_table_has_the_columns_one_row_per_method_and_the_notes():
                        "that share the uploads)")
 
 
+def test_results_table_shows_the_validation_selected_accuracy_when_a_run_had_a_split():
+    assert "val-sel." not in results_table(RESULTS)
+    name = next(iter(RESULTS))
+    with_val = {**RESULTS, name: {**RESULTS[name], "val_selected_accuracy": 42.25}}
+    lines = results_table(with_val).splitlines()
+    assert "val-sel. %" in lines[0] and "42.25" in next(x for x in lines if x.startswith(name))
+
+
 def test_results_table_says_when_the_client_seconds_come_from_the_cache():
     cached = {name: {**r, "cached_uploads": 5} for name, r in RESULTS.items() if name != "central"}
     assert results_table(cached).splitlines()[-1].endswith("as measured when the cached uploads were trained")

@@ -28,15 +28,20 @@ def human_bytes(n: float) -> str:
 def results_table(results: dict[str, dict[str, Any]]) -> str:
     """A fixed-width table: method, final and best accuracy, seconds of the server stage and bytes
     uploaded; a method's other models (e.g. FedDF's per-architecture students) on lines of their own.
+    With a validation split, the test accuracy of the model picked on it (``val-sel. %``); best acc % is
+    the best test accuracy over the evaluations (test-set selection, the papers' protocol).
     Under it: :func:`budget_note` (the methods run far below their default budget), :func:`seconds_note`
     (the clients' local training, which the server seconds leave out) and :func:`collapse_notes`."""
     w = max([14, *(len(name) for name in results)])  # the method column fits the longest name
-    header = f"{'method':<{w}} {'final acc %':>11} {'best acc %':>10} {'server s':>8} {'bytes up':>10}"
+    val = any("val_selected_accuracy" in r for r in results.values())  # a run with a validation split
+    header = (f"{'method':<{w}} {'final acc %':>11} " + (f"{'val-sel. %':>10} " if val else "")
+              + f"{'best acc %':>10} {'server s':>8} {'bytes up':>10}")
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         server = r.get("server_seconds", r["seconds"])
-        lines.append(f"{name:<{w}} {r['accuracy']:>11.2f} {r['best_accuracy']:>10.2f} {server:>8.1f} "
-                     f"{human_bytes(r['bytes_up']):>10}")
+        picked = f"{r['val_selected_accuracy']:>10.2f} " if "val_selected_accuracy" in r else f"{'-':>10} "
+        lines.append(f"{name:<{w}} {r['accuracy']:>11.2f} " + (picked if val else "")
+                     + f"{r['best_accuracy']:>10.2f} {server:>8.1f} {human_bytes(r['bytes_up']):>10}")
         for sub, acc in (r.get("models") or {}).items():
             if sub != name:
                 lines.append(f"  {sub:<{w - 2}} {acc:>11.2f}")
