@@ -382,10 +382,11 @@ def test_the_readmes_flower_example_runs_as_written(tmp_path: Path, capsys) -> N
     assert "hetfl: round 0: sent" in (tmp_path / "o" / "flower.log").read_text()  # every line kept there
 
 
-def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) -> None:
+def start_flower_local(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """``hetfl flower local`` of a slow config in a subprocess, once its run is submitted; and its FLWR_HOME."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**BASE, "client": {**BASE["client"], "epochs": 50}}))
-    proc = subprocess.Popen([sys.executable, "-m", "hetfl.cli", "flower", "local", str(cfg), "--tls", "--out",
+    proc = subprocess.Popen([sys.executable, "-m", "hetfl.cli", "flower", "local", str(cfg), *flags, "--out",
                              str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     home = None
     assert proc.stdout is not None
@@ -394,7 +395,13 @@ def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) ->
             home = Path(line.rsplit("FLWR_HOME", 1)[1].strip())
         if "submitted" in line:
             break
-    assert home is not None and (home / "certificates").is_dir()
+    assert home is not None
+    return proc, home
+
+
+def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) -> None:
+    proc, home = start_flower_local(tmp_path, "--tls")
+    assert (home / "certificates").is_dir()
     time.sleep(2)
     proc.kill()
     proc.wait(timeout=10)
@@ -405,18 +412,7 @@ def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) ->
 
 
 def test_flower_local_cli_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({**BASE, "client": {**BASE["client"], "epochs": 50}}))
-    proc = subprocess.Popen([sys.executable, "-m", "hetfl.cli", "flower", "local", str(cfg), "--out",
-                             str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    home = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "FLWR_HOME" in line:
-            home = Path(line.rsplit("FLWR_HOME", 1)[1].strip())
-        if "submitted" in line:
-            break
-    assert home is not None
+    proc, home = start_flower_local(tmp_path)
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130

@@ -28,6 +28,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,12 +68,16 @@ class FetchError(RuntimeError):
     """A dataset could not be fetched or failed its checksum."""
 
 
-def sha256(path: Path) -> str:
+def _digest(f: Any) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return _digest(f)
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -88,12 +93,10 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 
 def content_sha256(path: Path) -> str:
     """sha256 of an IDX file's content: the file itself, or what it gunzips to."""
-    digest = hashlib.sha256()
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    if path.suffix != ".gz":
+        return sha256(path)
+    with gzip.open(path, "rb") as f:
+        return _digest(f)
 
 
 def verify(name: str, root: Path) -> list[str]:

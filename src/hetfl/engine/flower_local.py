@@ -96,15 +96,7 @@ def processes_with_home(home: Path) -> list[int]:
 
 def live_processes_with_home(home: Path) -> list[int]:
     """:func:`processes_with_home` without zombies (exited, not yet reaped by their parent)."""
-    alive = []
-    for pid in processes_with_home(home):
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
+    return [pid for pid in processes_with_home(home) if _pid_alive(pid)]
 
 
 def free_port() -> int:
