@@ -37,7 +37,7 @@ def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
         ("partition.kind=shards", "unknown partition kind 'shards'; choose one of: iid, dirichlet"),
         ("partition.alpha=0", "'alpha' must be a number > 0"),
         ("partition.beta=1", "does not take"),
-        ("methods.fedavg.mu=1", "methods.fedavg.mu: unknown key; valid: rounds, sample_ratio"),
+        ("methods.fedavg.mu=1", "methods.fedavg.mu: unknown key; valid: init, rounds, sample_ratio"),
         ("methods.fedavg.rounds=0", "rounds must be a positive integer"),
         ("methods.nope={}", "unknown method 'nope'; choose one of: central, coboosting, dense, ensemble"),
         ("clients=0", "clients: 0: must be >= 1"),

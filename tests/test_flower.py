@@ -163,10 +163,12 @@ def test_a_supernodes_partition_leaves_out_the_validation_share_as_the_simulator
 
 def test_node_state_survives_in_context_state() -> None:
     ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
-    assert fa.state_from_records(ctx) == {}
-    fa.state_to_records({"prev": torch.arange(6.0).view(2, 3), "round": 3, "tag": "x"}, ctx)
-    state = fa.state_from_records(ctx)
+    assert fa.state_from_records(ctx, "moon") == {}
+    fa.state_to_records({"prev": torch.arange(6.0).view(2, 3), "round": 3, "tag": "x"}, ctx, "moon")
+    fa.state_to_records({"other": 1}, ctx, "moon-b")
+    state = fa.state_from_records(ctx, "moon")
     assert torch.equal(state.pop("prev"), torch.arange(6.0).view(2, 3)) and state == {"round": 3, "tag": "x"}
+    assert fa.state_from_records(ctx, "moon-b") == {"other": 1}  # one method never sees another's state
 
 
 def test_fake_grid_equals_simulator_one_shot_and_rounds(tmp_path: Path, task_identity: None) -> None:

@@ -251,7 +251,8 @@ def test_all_one_shot_methods_run_on_the_same_uploads(tmp_path):
     assert res["coboosting"]["params"]["grad_clip"] == res["coboosting"]["params"]["generator_grad_clip"] == 10
     assert res["coboosting"]["params"]["pool_shuffle"] and res["dense"]["params"]["pool_shuffle"]  # as their code
     assert res["dense"]["params"]["grad_clip"] == res["dense"]["params"]["generator_grad_clip"] == 0
-    assert res["dense"]["params"]["epochs"] == 2 and res["fedavg"]["params"] == {"rounds": 1, "sample_ratio": 1.0}
+    assert res["dense"]["params"]["epochs"] == 2 and res["fedavg"]["params"] == {"rounds": 1, "sample_ratio": 1.0,
+                                                                                  "init": "seed"}
 
 
 def test_generator_grad_clip_clips_the_generators_weights_every_step_and_not_z(tmp_path, monkeypatch):

@@ -97,14 +97,20 @@ def test_ensemble_averages_bf16_member_logits_in_fp32():
 
 def test_ledger_totals_per_client_and_round():
     ledger = CommLedger()
-    ledger.add(1, 0, "down", 10)
-    ledger.add(1, 0, "up", 7)
+    ledger.add(1, 0, "down", 10, "model", 4)
+    ledger.add(1, 0, "up", 7, "logits", 3)
     ledger.add(2, 1, "up", 5)
-    assert ledger.total("up") == 12 and ledger.total("down") == 10
-    assert ledger.per_client() == {0: {"up": 7, "down": 10}, 1: {"up": 5, "down": 0}}
-    assert ledger.per_round() == [{"round": 1, "up": 7, "down": 10}, {"round": 2, "up": 5, "down": 0}]
+    ledger.add(2, 1, "peer", 6, "distilled_data", 2)
+    assert ledger.total("up") == 12 and ledger.total("down") == 10 and ledger.total("peer") == 6
+    assert ledger.per_client() == {0: {"up": 7, "down": 10, "peer": 0}, 1: {"up": 5, "down": 0, "peer": 6}}
+    assert ledger.per_round() == [{"round": 1, "up": 7, "down": 10, "peer": 0},
+                                  {"round": 2, "up": 5, "down": 0, "peer": 6}]
+    assert ledger.summary()["tensor_bytes"] == {"down": {"model": 4}, "up": {"logits": 3, "model": 0},
+                                                "peer": {"distilled_data": 2}}
     with pytest.raises(ValueError):
         ledger.add(1, 0, "sideways", 1)
+    with pytest.raises(ValueError):
+        ledger.add(1, 0, "up", 1, "secrets")
 
 
 def test_read_meta_reads_the_header_alone_and_rejects_other_files(tmp_path):

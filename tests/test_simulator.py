@@ -524,11 +524,12 @@ def test_client_states_travel_with_the_round_checkpoint(tmp_path, tiny_config):
     method = create_method("fedavg", {"rounds": 2})
     ledger = CommLedger()
     ctx = sim._context("fedavg", ledger, [])
-    method.setup(ctx)
+    method.start(ctx)
     states = {0: {"prev": torch.arange(4.0), "seen": 3}, 2: {"note": "x"}}
     path = tmp_path / "ck.safetensors"
-    sim._save_rounds(path, "h", 1, method, ctx, ledger, [12.5], states, 4.0)
+    sim._models_history["fedavg"] = {}
+    sim._save_rounds(path, "fedavg", 1, method, ctx, ledger, [12.5], states, 4.0)
     restored: dict = {}
-    assert sim._resume_rounds(path, "h", method, ctx, ledger, restored) == 1
+    assert sim._resume_rounds(path, "fedavg", method, ctx, ledger, restored) == 1
     assert torch.equal(restored[0]["prev"], torch.arange(4.0)) and restored[0]["seen"] == 3
     assert restored[2] == {"note": "x"} and ctx.record["seconds_before_resume"] == 4.0

@@ -48,14 +48,22 @@ log = logging.getLogger("hetfl")
 
 TRAIN = "train.hetfl"  # run a client task, reply with its upload
 INFO = "query.hetfl_info"  # which partition does this node hold?
-STATE_ARRAYS, STATE_CONFIG = "hetfl.state.arrays", "hetfl.state.config"
+ROUTE = "hetfl.route"  # ConfigRecord of a train message: {"state": the method label whose client state it uses}
+
+
+def _state_keys(namespace: str) -> tuple[str, str]:
+    """The ``context.state`` records of one method's client state (tensors, JSON values)."""
+    return f"hetfl.state.{namespace}.arrays", f"hetfl.state.{namespace}.config"
 
 
 # ---- Payload <-> RecordDict ------------------------------------------------------------------
-def to_record(payload: Payload) -> RecordDict:
+def to_record(payload: Payload, namespace: str = "") -> RecordDict:
     tensors = {k: v.detach().cpu().contiguous() for k, v in payload.tensors.items()}
-    return RecordDict({"arrays": ArrayRecord(torch_state_dict=tensors),
-                       "config": ConfigRecord({"meta": json.dumps(payload.meta)})})
+    records = {"arrays": ArrayRecord(torch_state_dict=tensors),
+               "config": ConfigRecord({"meta": json.dumps(payload.meta)})}
+    if namespace:
+        records[ROUTE] = ConfigRecord({"state": namespace})
+    return RecordDict(records)
 
 
 def from_record(content: RecordDict) -> Payload:
@@ -71,20 +79,23 @@ def from_record(content: RecordDict) -> Payload:
     return Payload(tensors, meta)
 
 
-def state_to_records(state: dict[str, Any], context: Context) -> None:
-    """Keep a client's per-node state (tensors and JSON values) in ``context.state``."""
+def state_to_records(state: dict[str, Any], context: Context, namespace: str) -> None:
+    """Keep one method's client state (tensors and JSON values) in ``context.state`` under its label."""
+    arrays, config = _state_keys(namespace)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
     rest = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-    context.state[STATE_ARRAYS] = ArrayRecord(torch_state_dict=tensors)
-    context.state[STATE_CONFIG] = ConfigRecord({"json": json.dumps(rest)})
+    context.state[arrays] = ArrayRecord(torch_state_dict=tensors)
+    context.state[config] = ConfigRecord({"json": json.dumps(rest)})
 
 
-def state_from_records(context: Context) -> dict[str, Any]:
+def state_from_records(context: Context, namespace: str) -> dict[str, Any]:
+    """One method's client state (empty before its first task on this node)."""
+    arrays, config = _state_keys(namespace)
     state: dict[str, Any] = {}
-    if STATE_CONFIG in context.state.config_records:
-        state.update(json.loads(str(context.state.config_records[STATE_CONFIG]["json"])))
-    if STATE_ARRAYS in context.state.array_records:
-        state.update(context.state.array_records[STATE_ARRAYS].to_torch_state_dict())
+    if config in context.state.config_records:
+        state.update(json.loads(str(context.state.config_records[config]["json"])))
+    if arrays in context.state.array_records:
+        state.update(context.state.array_records[arrays].to_torch_state_dict())
     return state
 
 
@@ -116,12 +127,17 @@ def node_partition(context: Context, cfg: dict[str, Any]) -> int:
     return pid
 
 
-def client_env(context: Context) -> ClientEnv:
+def node_data(context: Context) -> tuple[dict[str, Any], int, ImageDataset]:
+    """The experiment config, this node's partition id and its training data."""
     cfg = experiment_config(context.run_config)
     pid = node_partition(context, cfg)
     root = str(context.node_config.get("data-root", cfg["data_root"]))
-    data = _client_data(json.dumps(cfg, sort_keys=True), root, pid)
-    return ClientEnv(pid, data, resolve_device(cfg["device"]), state_from_records(context))
+    return cfg, pid, _client_data(json.dumps(cfg, sort_keys=True), root, pid)
+
+
+def client_env(context: Context, namespace: str) -> ClientEnv:
+    cfg, pid, data = node_data(context)
+    return ClientEnv(pid, data, resolve_device(cfg["device"]), state_from_records(context, namespace))
 
 
 client_app = ClientApp()
@@ -129,17 +145,19 @@ client_app = ClientApp()
 
 @client_app.query("hetfl_info")
 def node_info(msg: Message, context: Context) -> Message:
-    cfg = experiment_config(context.run_config)
-    pid = node_partition(context, cfg)
-    return Message(RecordDict({"config": ConfigRecord({"partition-id": pid, "num-partitions": cfg["clients"]})}),
-                   reply_to=msg)
+    cfg, pid, data = node_data(context)
+    info = {"partition-id": pid, "num-partitions": cfg["clients"], "num-samples": len(data),
+            "label-counts": json.dumps(data.label_counts().tolist())}
+    return Message(RecordDict({"config": ConfigRecord(info)}), reply_to=msg)
 
 
 @client_app.train("hetfl")
 def client_task(msg: Message, context: Context) -> Message:
-    env = client_env(context)
+    route = msg.content.config_records.get(ROUTE)
+    namespace = str(route["state"]) if route is not None else "default"
+    env = client_env(context, namespace)
     upload = handle(from_record(msg.content), env)
-    state_to_records(env.state, context)
+    state_to_records(env.state, context, namespace)
     return Message(to_record(upload), reply_to=msg)
 
 
@@ -152,6 +170,7 @@ class FlowerTransport:
         self.grid, self.num_clients, self.timeout, self.node_wait = grid, num_clients, timeout, node_wait
         self.poll = poll
         self.nodes: dict[int, int] = {}  # client (partition) id -> node id
+        self.info: dict[int, tuple[int, list[int]]] = {}  # client id -> (sample count, label histogram)
         self.exchanges = 0
 
     def connect(self) -> dict[int, int]:
@@ -166,13 +185,22 @@ class FlowerTransport:
             if reply.has_error():
                 log.warning("hetfl: node %s refused the info query: %s", nid, reply.error.reason)
                 continue
-            pid = int(reply.content.config_records["config"]["partition-id"])
+            info = reply.content.config_records["config"]
+            pid = int(info["partition-id"])
             if pid in self.nodes:
                 log.warning("hetfl: node %s also claims partition %d (held by node %s): ignored",
                             nid, pid, self.nodes[pid])
                 continue
             self.nodes[pid] = nid
+            self.info[pid] = (int(info["num-samples"]), json.loads(str(info["label-counts"])))
         return self.nodes
+
+    def client_info(self) -> dict[str, list]:
+        """Every client's sample count and label histogram, from its node's info reply (zeros for a
+        partition no node holds)."""
+        num_classes = len(next(iter(self.info.values()))[1]) if self.info else 0
+        rows = [self.info.get(cid, (0, [0] * num_classes)) for cid in range(self.num_clients)]
+        return {"num_samples": [r[0] for r in rows], "label_counts": [r[1] for r in rows]}
 
     def send_and_receive(self, messages: list[Message]) -> list[Message]:
         """Push ``messages``, then pull their replies every ``poll`` s until all have come or
@@ -190,11 +218,12 @@ class FlowerTransport:
             time.sleep(self.poll)
         return replies
 
-    def exchange(self, round_: int, messages: dict[int, Payload]) -> tuple[dict[int, Payload], dict[int, str]]:
+    def exchange(self, round_: int, messages: dict[int, Payload],
+                 namespace: str = "") -> tuple[dict[int, Payload], dict[int, str]]:
         self.exchanges += 1
         failures = {cid: "no SuperNode holds this partition" for cid in messages if cid not in self.nodes}
         by_node = {self.nodes[cid]: cid for cid in messages if cid in self.nodes}
-        out = [Message(to_record(messages[cid]), dst_node_id=nid, message_type=TRAIN, group_id=str(round_))
+        out = [Message(to_record(messages[cid], namespace), dst_node_id=nid, message_type=TRAIN, group_id=str(round_))
                for nid, cid in by_node.items()]
         start = time.perf_counter()
         log.info("hetfl: round %d: sent %d message(s)", round_, len(out))

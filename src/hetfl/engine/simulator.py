@@ -40,7 +40,6 @@ from hetfl.fl.method import (
     RoundMethod,
     ServerContext,
     create_method,
-    sample_clients,
 )
 from hetfl.fl.payload import Payload, PayloadError, json_safe, jsonl_rows
 from hetfl.fl.train_config import TrainConfig
@@ -67,6 +66,7 @@ class Simulator:
         self.exp = exp
         self.keep_checkpoints = keep_checkpoints  # False: a method's checkpoints go once its results are written
         self._val_history: dict[str, list[float | None]] = {}  # per method, aligned with its test accuracies
+        self._models_history: dict[str, dict[str, list[float | None]]] = {}  # per method, every model's accuracies
         self.quiet = quiet
         # the exchange with the clients: the upload cache (under cache_dir), batched clients, a transport
         self.clients = ClientExchange(exp, cache_dir, transport, checkpoint_every_s, self.progress)
@@ -140,7 +140,8 @@ class Simulator:
                 raise ValueError("this method needs the clients' raw data on the server (centralised "
                                  "training); it cannot run on a remote engine")
             for cid, data in enumerate(exp.client_data):  # raw data travels: count it
-                ledger.add(0, cid, "up", data.x.numel() * data.x.element_size() + data.y.numel())
+                nbytes = data.x.numel() * data.x.element_size() + data.y.numel()  # one byte per label
+                ledger.add(0, cid, "up", nbytes, "raw_data", nbytes)
             index = torch.from_numpy(np.concatenate(exp.partition.indices))
             return exp.splits.train.subset(index)
 
@@ -157,60 +158,89 @@ class Simulator:
             restore_history=restore, validate=validate_model,
         )
 
-    # ---- drivers -------------------------------------------------------------------------------
-    def _one_shot(self, method: OneShotMethod, ctx: ServerContext, ledger: CommLedger) -> dict[str, nn.Module]:
-        uploads: dict[int, Payload] = {}
-        ctx.record["client_seconds"] = 0.0
-        if method.needs_uploads:
-            timing: dict[int, float] = {}
-            self.clients.cached_calls = 0
-            messages = {cid: method.client_message(cid, ctx) for cid in range(ctx.num_clients)}
-            uploads = self.clients.exchange(method, ctx, 0, messages, ledger, {}, cacheable=True, timing=timing,
-                                            desc=f"{method.name}: local training")
-            ctx.record["client_seconds"] = sum(timing.values())
-            ctx.record["uploads_sha256"] = uploads_digest(uploads)
-            if self.clients.transport is None:
-                ctx.record["cached_uploads"] = self.clients.cached_calls
-            missing = sorted(set(messages) - set(uploads))
-            if missing:
-                ctx.record["missing_clients"] = missing
-            need = min(int(self.exp.cfg["min_clients"]), ctx.num_clients)
-            if len(uploads) < need:
-                raise RuntimeError(f"{method.name}: only {len(uploads)} of {ctx.num_clients} clients uploaded "
-                                   f"(min_clients = {need}); missing {missing}")
-        start = time.perf_counter()
-        models = method.server(uploads, ctx)
-        ctx.record["server_seconds"] = time.perf_counter() - start + ctx.record.get("seconds_before_resume", 0.0)
-        return models
+    # ---- what the engine lends a method's run (ServerContext.exchange, client_info, rounds, end_round) -----
+    def _bind(self, name: str, method: Method, ctx: ServerContext, ledger: CommLedger, history: list[float],
+              states: dict[int, dict]) -> None:
+        """Bind the context's engine calls for one method's run. ``states``: its clients' state (this
+        method's alone), saved with its round checkpoint."""
+        one_shot = isinstance(method, OneShotMethod)
+        addressed: dict[int, set[int]] = {}  # round -> clients sent a message (the metrics row names them)
+        models_history: dict[str, list[float | None]] = {}  # every model's test accuracy per evaluation
+        self._models_history[name] = models_history
+        clock = {"start": time.perf_counter()}
 
-    def _rounds(self, name: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
-                history: list[float], chash: str) -> dict[str, nn.Module]:
-        method.setup(ctx)
-        ckpt = ctx.out_dir / ROUND_CHECKPOINT
-        states: dict[int, dict] = {}
-        start_round = 1 + self._resume_rounds(ckpt, chash, method, ctx, ledger, states) if self.resume else 1
-        self._trim_metrics(name, start_round - 1 if start_round > 1 else -1)
-        every = self.exp.cfg["eval_every"]
-        bar = self.progress(range(start_round, method.rounds + 1), desc=f"{method.name}: rounds",
-                            unit="round", initial=start_round - 1, total=method.rounds)
-        start = time.perf_counter() - ctx.record.get("seconds_before_resume", 0.0)
-        for round_ in bar:
-            chosen = sample_clients(ctx.num_clients, method.sample_ratio, round_, ctx.seed)
-            messages = {cid: method.client_message(cid, round_, ctx) for cid in chosen}
-            uploads = self.clients.exchange(method, ctx, round_, messages, ledger, states, cacheable=False)
-            if uploads:  # a round whose every client failed leaves the global model as it was
-                method.aggregate(round_, uploads, ctx)
-            if round_ % every == 0 or round_ == method.rounds:
-                head = next(iter(method.models().values()))
-                report = ctx.evaluate(head)
-                bar.set_postfix(acc=f"{report['accuracy']:.2f}")
-                ctx.log(round_, accuracy=report["accuracy"], clients=chosen,
-                        bytes_up=ledger.total("up"), bytes_down=ledger.total("down"))
-            self._save_rounds(ckpt, chash, round_, method, ctx, ledger, history, states,
-                              time.perf_counter() - start)
-        return method.models()
+        def exchange(step: int, messages: dict[int, Payload], *, relay: dict[int, int] | None = None,
+                     desc: str = "") -> tuple[dict[int, Payload], dict[int, str]]:
+            addressed.setdefault(step, set()).update(messages)
+            if not one_shot:
+                return self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=False,
+                                             relay=relay, desc=desc or f"{method.name}: round {step}")
+            return self._one_shot_exchange(method, ctx, messages, ledger, relay)
 
-    def _save_rounds(self, path: Path, chash: str, round_: int, method: RoundMethod, ctx: ServerContext,
+        def client_info() -> dict[str, list]:
+            info = (self.clients.transport.client_info() if self.clients.transport is not None
+                    else {"num_samples": self.exp.partition.sizes.tolist(),
+                          "label_counts": self.exp.partition.counts.tolist()})
+            for cid in range(ctx.num_clients):  # the clients' answers travel: count them
+                nbytes = len(json.dumps({"num_samples": info["num_samples"][cid],
+                                         "label_counts": info["label_counts"][cid]}).encode())
+                ledger.add(0, cid, "up", nbytes, "info", 0)
+            return info
+
+        def rounds(round_method: RoundMethod):  # noqa: ANN202  (a generator of round numbers)
+            ckpt = ctx.out_dir / ROUND_CHECKPOINT
+            done = self._resume_rounds(ckpt, name, round_method, ctx, ledger, states) if self.resume else 0
+            self._trim_metrics(name, done if done else -1)
+            clock["start"] = time.perf_counter() - ctx.record.get("seconds_before_resume", 0.0)
+            yield from self.progress(range(done + 1, round_method.rounds + 1), desc=f"{method.name}: rounds",
+                                     unit="round", initial=done, total=round_method.rounds)
+
+        def end_round(round_: int, round_method: RoundMethod) -> None:
+            if round_ % self.exp.cfg["eval_every"] == 0 or round_ == round_method.rounds:
+                models, head = round_method.models(), round_method.headline(ctx)
+                accs: dict[str, float] = {}
+                vals: dict[str, float] = {}
+                for key, model in models.items():
+                    report = ctx.evaluate(model, track=key == head)
+                    accs[key] = report["accuracy"]
+                    models_history.setdefault(key, []).append(report["accuracy"])
+                    val = report.get("val_accuracy") if key == head else (ctx.validate(model) or {}).get("accuracy")
+                    if val is not None:
+                        vals[key] = val
+                row: dict[str, Any] = {"accuracy": accs[head], "clients": sorted(addressed.get(round_, ()))}
+                if vals:
+                    row["val_accuracy"] = vals[head]
+                if len(models) > 1:
+                    row.update(headline=head, models=accs, **({"models_val": vals} if vals else {}))
+                ctx.log(round_, **row, **{k: v for k, v in ledger.summary().items() if k != "tensor_bytes"})
+            self._save_rounds(ctx.out_dir / ROUND_CHECKPOINT, name, round_, round_method, ctx, ledger, history,
+                              states, time.perf_counter() - clock["start"])
+
+        ctx.exchange, ctx.client_info, ctx.rounds, ctx.end_round = exchange, client_info, rounds, end_round
+
+    def _one_shot_exchange(self, method: Method, ctx: ServerContext, messages: dict[int, Payload], ledger: CommLedger,
+                           relay: dict[int, int] | None) -> tuple[dict[int, Payload], dict[int, str]]:
+        """A one-shot method's exchange: through the upload cache, its clients' seconds, the uploads' digest
+        and the missing clients recorded; fewer than ``min_clients`` uploads stop the method."""
+        timing: dict[int, float] = {}
+        self.clients.cached_calls = 0
+        uploads, failures = self.clients.exchange(method, ctx, 0, messages, ledger, {}, cacheable=True,
+                                                  timing=timing, relay=relay, desc=f"{method.name}: local training")
+        ctx.record["client_seconds"] = ctx.record.get("client_seconds", 0.0) + sum(timing.values())
+        ctx.record["uploads_sha256"] = uploads_digest(uploads)
+        if self.clients.transport is None:
+            ctx.record["cached_uploads"] = self.clients.cached_calls
+        missing = sorted(set(messages) - set(uploads))
+        if missing:
+            ctx.record["missing_clients"] = missing
+        need = min(int(self.exp.cfg["min_clients"]), len(messages))
+        if len(uploads) < need:
+            raise RuntimeError(f"{method.name}: only {len(uploads)} of {len(messages)} clients uploaded "
+                               f"(min_clients = {need}); missing {missing}")
+        ctx.record["_server_start"] = time.perf_counter()
+        return uploads, failures
+
+    def _save_rounds(self, path: Path, name: str, round_: int, method: RoundMethod, ctx: ServerContext,
                      ledger: CommLedger, history: list[float], states: dict[int, dict], seconds: float) -> None:
         """One file, written to a temporary name and renamed (hetfl.fl.payload.Payload.write): the
         method's state, every client's state (tensors by name, the rest as JSON), the round, the
@@ -223,13 +253,14 @@ class Simulator:
                     tensors[f"client.{cid}.{key}"] = value.detach().cpu().contiguous()
                 else:
                     client_json.setdefault(str(cid), {})[key] = value
-        meta = {"config_hash": chash, "round": round_, "history": history,
-                "val_history": self._val_history.get(method.name, []), "ledger": ledger.records,
-                "client_failures": ctx.record.get("client_failures", []), "seconds": seconds,
+        meta = {"config_hash": config_hash(self.exp.cfg, name), "round": round_, "history": history,
+                "val_history": self._val_history.get(name, []),
+                "models_history": self._models_history.get(name, {}), "ledger": ledger.records,
+                "record": {k: ctx.record[k] for k in RESUMED_RECORD if k in ctx.record}, "seconds": seconds,
                 "client_state": client_json}
         Payload(tensors, json_safe(meta)).write(path)
 
-    def _resume_rounds(self, path: Path, chash: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
+    def _resume_rounds(self, path: Path, name: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
                        states: dict[int, dict]) -> int:
         """The round a checkpoint of this config holds, its state restored; 0 (a fresh start, with a
         warning) for none, an unreadable or truncated file, or one written for another config."""
@@ -238,26 +269,26 @@ class Simulator:
         try:
             saved = Payload.from_bytes(path.read_bytes())
             meta = saved.meta
-            if meta.get("config_hash") != chash:
+            if meta.get("config_hash") != config_hash(self.exp.cfg, name):
                 raise PayloadError("it was written for another config")
             method.load_state_dict({k[len("method."):]: v.to(ctx.device) for k, v in saved.tensors.items()
                                     if k.startswith("method.")})
-        except (OSError, PayloadError, KeyError, RuntimeError) as err:
+        except (OSError, PayloadError, KeyError, RuntimeError, ValueError) as err:
             warnings.warn(f"{path}: not resumed ({err}); the rounds start over", stacklevel=2)
             return 0
         for key, value in saved.tensors.items():
             if key.startswith("client."):
-                _, cid, name = key.split(".", 2)
-                states.setdefault(int(cid), {})[name] = value
+                _, cid, state_key = key.split(".", 2)
+                states.setdefault(int(cid), {})[state_key] = value
         for cid, values in meta.get("client_state", {}).items():
             states.setdefault(int(cid), {}).update(values)
         ctx.restore_history(meta["history"])
         val = meta.get("val_history") or []
         if len(val) == len(meta["history"]):
-            self._val_history[method.name][:] = val
-        ledger.records[:] = [tuple(r) for r in meta["ledger"]]
-        if meta.get("client_failures"):
-            ctx.record["client_failures"] = list(meta["client_failures"])
+            self._val_history[name][:] = val
+        self._models_history[name].update(meta.get("models_history", {}))
+        ledger.restore(meta["ledger"])
+        ctx.record.update(meta.get("record", {}))
         ctx.add_prior_seconds(float(meta.get("seconds", 0.0)))
         ctx.record["resumed_from_round"] = meta["round"]
         return int(meta["round"])
@@ -287,8 +318,8 @@ class Simulator:
                 continue
             ctx = self._context(name, CommLedger(), [], make_dir=False)
             messages = {cid: method.client_message(cid, ctx) for cid in ids}
-            uploads = self.clients.exchange(method, ctx, 0, messages, CommLedger(), {}, cacheable=True,
-                                            desc=f"{name}: local training")
+            uploads, _ = self.clients.exchange(method, ctx, 0, messages, CommLedger(), {}, cacheable=True,
+                                               desc=f"{name}: local training")
             counts[name] = len(uploads)
         return counts
 
@@ -334,35 +365,40 @@ class Simulator:
 
     def run_method(self, name: str) -> dict[str, Any]:
         method: Method = create_method(name, self.exp.cfg["methods"][name])
-        ledger, history = CommLedger(), []
+        ledger, history, states = CommLedger(), [], {}
         self._val_history[name] = []
         ctx = self._context(name, ledger, history)
+        self._bind(name, method, ctx, ledger, history, states)
+        if not isinstance(method, RoundMethod) and not any(ctx.out_dir.glob("checkpoint*")):
+            self._trim_metrics(name, -1)  # a checkpointing stage trims on resume itself
         start = time.perf_counter()
-        if isinstance(method, RoundMethod):
-            models = self._rounds(name, method, ctx, ledger, history, config_hash(self.exp.cfg, name))
-        else:
-            if not any(ctx.out_dir.glob("checkpoint*")):  # a checkpointing stage trims on resume itself
-                self._trim_metrics(name, -1)
-            models = self._one_shot(method, ctx, ledger)
-        seconds = time.perf_counter() - start + ctx.record.get("seconds_before_resume", 0.0)  # a resumed stage
+        models = method.run(ctx)
+        end = time.perf_counter()
+        prior = ctx.record.get("seconds_before_resume", 0.0)  # a resumed stage's work before its checkpoint
+        seconds = end - start + prior
+        if isinstance(method, OneShotMethod):
+            ctx.record["server_seconds"] = end - ctx.record.pop("_server_start", start) + prior
         reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}
         head = next(iter(models))
         final = reports[head]
         save_models(models, ctx.out_dir)
         (ctx.out_dir / "communication.json").write_text(json.dumps(
-            {"per_client": ledger.per_client(), "per_round": ledger.per_round()}, indent=1))
+            {"per_client": ledger.per_client(), "per_round": ledger.per_round(),
+             "tensor_bytes": ledger.summary()["tensor_bytes"]}, indent=1))
         result = {
             "method": method.method,
             "accuracy": final["accuracy"],
             "best_accuracy": max([final["accuracy"], *history]),
             "seconds": seconds,
-            "bytes_up": ledger.total("up"),
-            "bytes_down": ledger.total("down"),
+            **ledger.summary(),
             "per_class": final["per_class"],
             **({"models": {k: r["accuracy"] for k, r in reports.items()}} if len(models) > 1 else {}),
             "params": method.params,  # the settings it ran with, defaults filled in (they change between versions)
             **ctx.record,
         }
+        if len(models) > 1 and self._models_history.get(name):
+            result["models_best"] = {k: max([reports[k]["accuracy"], *(a for a in self._models_history[name].get(k, [])
+                                                                        if a is not None)]) for k in models}
         result.update(self._selected(name, ctx, models[head], final["accuracy"], history))
         self._log(name, -1, final=True, accuracy=final["accuracy"])
         return json_safe(result)
@@ -422,6 +458,7 @@ class Simulator:
 
 
 ROUND_CHECKPOINT = "checkpoint.safetensors"  # a round method's checkpoint: one file (_save_rounds)
+RESUMED_RECORD = ("client_failures", "empty_rounds")  # record keys a round checkpoint carries over
 UPLOADS_TRAINED = "uploads_trained"  # summary key: client uploads the run trained and put in its cache
 
 

@@ -38,10 +38,16 @@ class Transport(Protocol):
     """How one exchange's messages reach remote clients (for example the Flower adapter).
 
     ``exchange`` returns the uploads that arrived and, for every other addressed client, the
-    reason it is missing (timeout, error reply, not connected). The simulator's own default is
-    in-process and needs no transport."""
+    reason it is missing (timeout, error reply, not connected); ``namespace`` (the method's label)
+    keys the clients' state, so two methods of one run never see each other's. The simulator's own
+    default is in-process and needs no transport."""
 
-    def exchange(self, round_: int, messages: dict[int, Payload]) -> tuple[dict[int, Payload], dict[int, str]]: ...
+    def exchange(self, round_: int, messages: dict[int, Payload],
+                 namespace: str = "") -> tuple[dict[int, Payload], dict[int, str]]: ...
+
+    def client_info(self) -> dict[str, list]:
+        """Every client's sample count and label histogram (``num_samples``, ``label_counts``)."""
+        ...
 
 
 class ClientExchange:
@@ -83,10 +89,16 @@ class ClientExchange:
 
     def exchange(self, method: Method, ctx: ServerContext, round_: int, messages: dict[int, Payload],
                  ledger: CommLedger, states: dict[int, dict], cacheable: bool,
-                 timing: dict[int, float] | None = None, desc: str = "") -> dict[int, Payload]:
+                 timing: dict[int, float] | None = None, desc: str = "",
+                 relay: dict[int, int] | None = None) -> tuple[dict[int, Payload], dict[int, str]]:
         """Send ``messages``, collect the uploads, and keep those ``method.validate_upload``
-        accepts. Missing and rejected clients are logged and recorded, never fatal here."""
+        accepts; returns them and, per other addressed client, why it is left out. Missing and rejected
+        clients are logged and recorded, never fatal here. ``relay`` {receiver: sender}: those messages
+        carry another client's data and count as ``peer``."""
         failures: dict[int, str] = {}
+        for cid, message in messages.items():
+            ledger.add(round_, cid, "peer" if relay and cid in relay else "down", message.nbytes, message.kind,
+                       message.tensor_nbytes)
         if self.transport is None:
             bar = self.progress(list(messages), desc=desc, unit="client")
             trained = self._train_groups(messages, states, cacheable, bar) if self.batch_clients else {}
@@ -97,11 +109,9 @@ class ClientExchange:
                 if self.on_client is not None:
                     self.on_client(method.name, round_, done, len(messages))
         else:
-            for cid, message in messages.items():
-                ledger.add(round_, cid, "down", message.nbytes)
-            uploads, failures = self._remote(round_, messages, cacheable)
+            uploads, failures = self._remote(round_, messages, cacheable, method.name)
             for cid, upload in uploads.items():
-                ledger.add(round_, cid, "up", upload.nbytes)
+                ledger.add(round_, cid, "up", upload.nbytes, upload.kind, upload.tensor_nbytes)
         accepted: dict[int, Payload] = {}
         for cid, upload in sorted(uploads.items()):
             try:
@@ -112,7 +122,7 @@ class ClientExchange:
         for cid, reason in sorted(failures.items()):
             log.warning("%s: round %d: client %d left out: %s", method.name, round_, cid, reason)
             ctx.record.setdefault("client_failures", []).append({"round": round_, "client": cid, "reason": reason})
-        return accepted
+        return accepted, failures
 
     def cached(self, messages: dict[int, Payload]) -> dict[int, Payload]:
         """The uploads in the cache for ``messages`` (client -> request); a client without one is left out.
@@ -122,8 +132,8 @@ class ClientExchange:
         uploads = {cid: self.cache.get(self._key(cid, message)) for cid, message in messages.items()}
         return {cid: upload for cid, upload in uploads.items() if upload is not None}
 
-    def _remote(self, round_: int, messages: dict[int, Payload],
-                cacheable: bool) -> tuple[dict[int, Payload], dict[int, str]]:
+    def _remote(self, round_: int, messages: dict[int, Payload], cacheable: bool,
+                namespace: str) -> tuple[dict[int, Payload], dict[int, str]]:
         """Through the transport. A cacheable request a client already answered in this run (the
         same one-shot request from another method) is answered from memory, so every one-shot
         method gets the byte-identical upload and the client trains once; bytes are counted as
@@ -131,7 +141,7 @@ class ClientExchange:
         keys = {cid: (cid, m.sha256()) for cid, m in messages.items()}
         known = {cid: self._answered[k] for cid, k in keys.items() if cacheable and k in self._answered}
         todo = {c: m for c, m in messages.items() if c not in known}
-        uploads, failures = self.transport.exchange(round_, todo) if todo else ({}, {})
+        uploads, failures = self.transport.exchange(round_, todo, namespace) if todo else ({}, {})
         if cacheable:
             self._answered.update({keys[cid]: up for cid, up in uploads.items()})
         return {**uploads, **known}, failures
@@ -144,7 +154,6 @@ class ClientExchange:
         cached (the transfer would have happened); timing stays out of the payload so that the
         bytes are deterministic."""
         exp = self.exp
-        ledger.add(round_, cid, "down", message.nbytes)
         key = self._key(cid, message) if cacheable and self.cache else None
         upload = self.cache.get(key) if key and trained is None else None
         if upload is None:
@@ -178,7 +187,7 @@ class ClientExchange:
             self.cached_calls += 1
         if timing is not None:
             timing[cid] = seconds
-        ledger.add(round_, cid, "up", upload.nbytes)
+        ledger.add(round_, cid, "up", upload.nbytes, upload.kind, upload.tensor_nbytes)
         return upload
 
     def _train_groups(self, messages: dict[int, Payload], states: dict[int, dict], cacheable: bool,

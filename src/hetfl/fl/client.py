@@ -18,6 +18,7 @@ import torch
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.checkpoint import TrainCheckpoint
+from hetfl.fl.objectives import build_terms, objective
 from hetfl.fl.payload import Payload, PayloadError, state_payload
 from hetfl.fl.train_config import TrainConfig
 from hetfl.fl.training import local_train, local_train_group
@@ -117,8 +118,9 @@ def model_from_message(message: Payload) -> torch.nn.Module:
     m = message.meta
     torch.manual_seed(int(m["init_seed"]))
     model = build_model(m["arch"], int(m["in_channels"]), int(m["image_size"]), int(m["num_classes"]))
-    if message.tensors:
-        model.load_state_dict(message.tensors)
+    weights = {k: v for k, v in message.tensors.items() if "/" not in k}  # "name/...": other models sent
+    if weights:
+        model.load_state_dict(weights)
     return model
 
 
@@ -134,11 +136,17 @@ def train_message(arch: str, shape: tuple[int, int, int], num_classes: int, cfg:
 
 @client_task("train_classifier")
 def train_classifier(message: Payload, env: ClientEnv) -> Payload:
-    """Plain local SGD on the client's data; upload the full model state."""
-    model = model_from_message(message)
+    """Local SGD on the client's data, cross-entropy plus the request's named loss terms
+    (:mod:`hetfl.fl.objectives`); upload the full model state."""
+    model = model_from_message(message).to(env.device)
     cfg = TrainConfig(**message.meta["train"])
+    terms = build_terms(message.meta.get("terms") or {}, model,
+                        {k: v.to(env.device) for k, v in message.tensors.items() if "/" in k}, env.state)
+    loss = objective(terms)
     stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress,
-                        checkpoint=env.checkpoint)
+                        checkpoint=env.checkpoint, **({"loss_fn": loss} if loss else {}))
+    for term in terms:
+        term.after(model, env.state)
     return state_payload(model.cpu(), arch=message.meta["arch"], train_loss=stats["loss"])
 
 
@@ -147,7 +155,7 @@ def _train_group_key(message: Payload, env: ClientEnv) -> tuple[Any, ...] | None
     description and one training config; any data sizes (:func:`local_train_group` steps each client
     through its own batches)."""
     m = message.meta
-    if message.tensors or len(env.data) == 0:
+    if message.tensors or m.get("terms") or len(env.data) == 0:
         return None
     return (m["arch"], m["in_channels"], m["image_size"], m["num_classes"], tuple(sorted(m["train"].items())))
 

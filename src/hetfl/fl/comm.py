@@ -1,34 +1,70 @@
-"""Communication accounting: bytes sent up and down, per client and per round."""
+"""Communication accounting: every transfer with its direction, kind, payload bytes and tensor bytes.
+
+A record is ``(round, client, direction, payload_bytes, kind, tensor_bytes)``:
+
+* ``direction``: ``up`` (client to server), ``down`` (server to client) or ``peer`` (one client's data
+  relayed to another through the server, counted at the receiving client);
+* ``kind``: what the tensors are (:data:`KINDS`), read from the payload's ``kind`` metadata
+  (``model`` where it names none);
+* ``payload_bytes``: the whole wire form (safetensors header and JSON metadata included), what a
+  transport sends; ``tensor_bytes``: the tensors alone (``numel x element size``), the quantity the
+  papers' communication equations count.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DIRECTIONS = ("up", "down", "peer")
+KINDS = ("model", "logits", "soft_labels", "distilled_data", "raw_data", "state", "generator", "info")
+
+Record = tuple[int, int, str, int, str, int]
+
 
 @dataclass
 class CommLedger:
-    """Every transfer as ``(round, client, direction, bytes)``; totals derived on demand."""
+    """Every transfer as a :data:`Record`; totals derived on demand."""
 
-    records: list[tuple[int, int, str, int]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
 
-    def add(self, round_: int, client: int, direction: str, nbytes: int) -> None:
-        if direction not in ("up", "down"):
-            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
-        self.records.append((round_, client, direction, int(nbytes)))
+    def add(self, round_: int, client: int, direction: str, nbytes: int, kind: str = "model",
+            tensor_bytes: int = 0) -> None:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        self.records.append((int(round_), int(client), direction, int(nbytes), kind, int(tensor_bytes)))
+
+    def restore(self, rows: list[list]) -> None:
+        """The records of a checkpoint's JSON (rows of an older 4-field form count as models)."""
+        self.records[:] = [(*r, "model", 0) if len(r) == 4 else tuple(r) for r in rows]  # type: ignore[misc]
 
     def total(self, direction: str) -> int:
-        return sum(b for _, _, d, b in self.records if d == direction)
+        return sum(r[3] for r in self.records if r[2] == direction)
+
+    def tensor_bytes(self, direction: str | None = None) -> dict[str, int]:
+        """Tensor bytes per kind (of one direction, or all)."""
+        out: dict[str, int] = {}
+        for _, _, d, _, kind, tb in self.records:
+            if direction is None or d == direction:
+                out[kind] = out.get(kind, 0) + tb
+        return dict(sorted(out.items()))
 
     def per_client(self) -> dict[int, dict[str, int]]:
         out: dict[int, dict[str, int]] = {}
-        for _, client, direction, nbytes in self.records:
-            entry = out.setdefault(client, {"up": 0, "down": 0})
+        for _, client, direction, nbytes, _, _ in self.records:
+            entry = out.setdefault(client, {d: 0 for d in DIRECTIONS})
             entry[direction] += nbytes
         return dict(sorted(out.items()))
 
     def per_round(self) -> list[dict[str, int]]:
         rounds: dict[int, dict[str, int]] = {}
-        for round_, _, direction, nbytes in self.records:
-            entry = rounds.setdefault(round_, {"round": round_, "up": 0, "down": 0})
+        for round_, _, direction, nbytes, _, _ in self.records:
+            entry = rounds.setdefault(round_, {"round": round_, **{d: 0 for d in DIRECTIONS}})
             entry[direction] += nbytes
         return [rounds[r] for r in sorted(rounds)]
+
+    def summary(self) -> dict[str, object]:
+        """What ``summary.json`` reports: payload bytes per direction and tensor bytes per kind."""
+        return {"bytes_up": self.total("up"), "bytes_down": self.total("down"), "bytes_peer": self.total("peer"),
+                "tensor_bytes": {d: self.tensor_bytes(d) for d in DIRECTIONS if self.tensor_bytes(d)}}

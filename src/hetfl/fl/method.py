@@ -1,24 +1,26 @@
-"""The contract between a method and an engine.
+"""The contract between a method and an engine: the method drives, the engine lends.
 
-A method is a server part plus client tasks (see :mod:`hetfl.fl.client`). Engines drive it
-through this interface only:
+A method is a server part plus client tasks (see :mod:`hetfl.fl.client`). An engine calls
+``method.run(ctx)`` and nothing else; the :class:`ServerContext` lends shapes, device, output
+folder, ``exchange`` (messages to clients, accepted uploads back, bytes counted), evaluation,
+validation, logging, progress bars, ``client_info`` and the round driver (resume, evaluate every
+model, checkpoint). Two templates:
 
-* :class:`OneShotMethod`: the engine sends each client the method's :meth:`client_message`
-  once, collects the uploads (through the upload cache) and calls :meth:`server`, which returns
-  the named global model(s).
-* :class:`RoundMethod`: :meth:`setup`, then per round the engine samples clients, sends
-  :meth:`client_message`, collects uploads and calls :meth:`aggregate`; :meth:`state_dict` and
-  :meth:`load_state_dict` let an engine checkpoint and resume.
-
-The :class:`ServerContext` is what the engine lends the server part: shapes, device, output
-folder, evaluation on the test split, metric logging and progress bars.
+* :class:`OneShotMethod`: one exchange (every client, through the upload cache), then
+  :meth:`OneShotMethod.server`, which returns the named global model(s).
+* :class:`RoundMethod`: :meth:`RoundMethod.setup`, then per round: sample -> ``configure_round``
+  -> exchange -> record in the :class:`~hetfl.fl.clientbook.ClientBook` -> ``aggregate`` (server
+  randomness seeded by (seed, method, round)) -> the engine evaluates and checkpoints. A method may
+  override :meth:`RoundMethod.run_round` (several exchanges) or :meth:`RoundMethod.run` (stages
+  before the loop).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,10 +30,17 @@ from torch import nn
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.client import train_message
+from hetfl.fl.clientbook import ClientBook
 from hetfl.fl.params import ParamError, check
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.train_config import TrainConfig
 from hetfl.models import MODEL_NAMES, build_model
+
+log = logging.getLogger("hetfl")
+
+
+def _no_engine(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("this server context has no engine behind it")
 
 
 def derive_seed(*parts: Any) -> int:
@@ -66,6 +75,14 @@ class ServerContext:
     # None without one; ``evaluate`` also records it for every tracked evaluation
     validate: Callable[[nn.Module], dict[str, Any] | None] = lambda model: None
     record: dict[str, Any] = field(default_factory=dict)
+    # exchange(step, {client: message}, relay=None) -> (accepted uploads, {client: why left out});
+    # relay {receiver: sender}: the message carries another client's data (counted as ``peer``)
+    exchange: Callable[..., tuple[dict[int, Payload], dict[int, str]]] = field(default=_no_engine)
+    # every client's sample count and label histogram: {"num_samples": [N], "label_counts": [N x C]}
+    client_info: Callable[[], dict[str, list]] = field(default=_no_engine)
+    # the round driver: the rounds left (after a resume), and after each round evaluate and checkpoint
+    rounds: Callable[[RoundMethod], Iterable[int]] = field(default=_no_engine)
+    end_round: Callable[[int, RoundMethod], None] = field(default=_no_engine)
 
     def build(self, arch: str, purpose: str = "global") -> nn.Module:
         """A freshly initialised model, seeded by (run seed, purpose, arch)."""
@@ -167,15 +184,23 @@ class OneShotMethod(Method):
                              init_seed=ctx.init_seed(arch),
                              seed=derive_seed(ctx.seed, "client-train", client_id))
 
+    def run(self, ctx: ServerContext) -> dict[str, nn.Module]:
+        """One exchange with every client (none where :attr:`needs_uploads` is False), then :meth:`server`."""
+        uploads: dict[int, Payload] = {}
+        if self.needs_uploads:
+            uploads, _ = ctx.exchange(0, {cid: self.client_message(cid, ctx) for cid in range(ctx.num_clients)})
+        return self.server(uploads, ctx)
+
     @abstractmethod
     def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
         """Return the named global model(s); the first one is the method's headline result."""
 
 
 class RoundMethod(Method):
-    """T rounds; each samples a fraction of the clients."""
+    """T rounds; each samples a fraction of the clients (module docstring)."""
 
     multi_round: ClassVar[bool] = True
+    keep_client_models: ClassVar[bool] = False  # True: the ClientBook keeps each client's last model
 
     @property
     def rounds(self) -> int:
@@ -185,11 +210,47 @@ class RoundMethod(Method):
     def sample_ratio(self) -> float:
         return float(self.params.get("sample_ratio", 1.0))
 
+    def run(self, ctx: ServerContext) -> dict[str, nn.Module]:
+        """The template loop; returns the models, the headline first."""
+        self.start(ctx)
+        for round_ in ctx.rounds(self):  # resumes from a checkpoint of this config
+            self.run_round(round_, ctx)
+            ctx.end_round(round_, self)
+        models = self.models()
+        head = self.headline(ctx)
+        return {head: models[head], **{k: m for k, m in models.items() if k != head}}
+
+    def start(self, ctx: ServerContext) -> None:
+        """Fresh client records, then :meth:`setup` (the state a checkpoint then overwrites)."""
+        self.book = ClientBook(ctx.num_clients, ctx.num_classes, self.keep_client_models)
+        self.setup(ctx)
+
+    def run_round(self, round_: int, ctx: ServerContext) -> None:
+        """Sample, send, record the accepted uploads, aggregate. A round without uploads leaves the
+        models as they were (logged)."""
+        chosen = sample_clients(ctx.num_clients, self.sample_ratio, round_, ctx.seed)
+        uploads, _ = ctx.exchange(round_, self.configure_round(round_, chosen, ctx))
+        self.book.update(round_, uploads)
+        if not uploads:
+            log.warning("%s: round %d: no upload arrived; the models stay as they were", self.name, round_)
+            ctx.record.setdefault("empty_rounds", []).append(round_)
+            return
+        torch.manual_seed(derive_seed(ctx.seed, "server", self.name, round_))
+        self.aggregate(round_, uploads, ctx)
+
+    def configure_round(self, round_: int, clients: list[int], ctx: ServerContext) -> dict[int, Payload]:
+        """The round's messages (default: :meth:`client_message` per sampled client)."""
+        return {cid: self.client_message(cid, round_, ctx) for cid in clients}
+
+    def headline(self, ctx: ServerContext) -> str:
+        """The model the method reports (default: the first of :meth:`models`)."""
+        return next(iter(self.models()))
+
     @abstractmethod
     def setup(self, ctx: ServerContext) -> None: ...
 
-    @abstractmethod
-    def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload: ...
+    def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload:
+        raise NotImplementedError(f"{type(self).__name__} builds its messages in configure_round")
 
     @abstractmethod
     def aggregate(self, round_: int, uploads: dict[int, Payload], ctx: ServerContext) -> None: ...
@@ -198,13 +259,17 @@ class RoundMethod(Method):
     def models(self) -> dict[str, nn.Module]: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors that let an engine resume after an interruption (default: the models)."""
-        return {f"{name}.{k}": v for name, m in self.models().items() for k, v in m.state_dict().items()}
+        """Tensors that let an engine resume after an interruption (default: the models and the
+        client records)."""
+        out = {f"{name}.{k}": v for name, m in self.models().items() for k, v in m.state_dict().items()}
+        out.update({f"book.{k}": v for k, v in self.book.state_dict().items()})
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, model in self.models().items():
             prefix = f"{name}."
             model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        self.book.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("book.")})
 
 
 METHODS: dict[str, Callable[..., Method]] = {}

@@ -72,6 +72,16 @@ class Payload:
         """Bytes on the wire (safetensors header + tensor data)."""
         return len(self.to_bytes())
 
+    @property
+    def tensor_nbytes(self) -> int:
+        """Bytes of the tensors alone (``numel x element size``), no header or metadata."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def kind(self) -> str:
+        """What the tensors are, for the ledger (hetfl.fl.comm.KINDS): the ``kind`` metadata, else a model."""
+        return str(self.meta.get("kind", "model"))
+
     def validate(self, expected: Mapping[str, torch.Size | tuple[int, ...]] | None = None,
                  required_meta: tuple[str, ...] = ()) -> None:
         """Raise :class:`PayloadError` unless names/shapes match ``expected`` and values are finite."""

@@ -11,10 +11,14 @@ from hetfl.methods import (  # noqa: F401
     dense,
     ensemble,
     fedavg,
+    fedavgm,
     fedcvae,
     feddf,
+    feddisco,
     fedhydra,
     fedmho,
+    fedprox,
+    moon,
     ot,
 )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from hetfl.fl.aggregate import vote, weighted_average
@@ -26,12 +27,13 @@ from hetfl.fl.method import OneShotMethod, RoundMethod, ServerContext, derive_se
 from hetfl.fl.payload import Payload
 from hetfl.methods.common import client_models, group_by_arch
 
-DEFAULTS: dict[str, Any] = {"rounds": 1, "sample_ratio": 1.0}
+DEFAULTS: dict[str, Any] = {"rounds": 1, "sample_ratio": 1.0, "init": "seed"}
 
 
 class FedAvgOneShot(OneShotMethod):
     name = "fedavg"
     defaults = DEFAULTS
+    ranges = {"init": {"choices": ("seed", "weights")}}
 
     def server(self, uploads: dict[int, Payload], ctx: ServerContext) -> dict[str, nn.Module]:
         models = client_models(uploads, ctx)
@@ -55,15 +57,23 @@ class FedAvgOneShot(OneShotMethod):
 
 
 class FedAvgRounds(RoundMethod):
+    """Multi-round FedAvg, and the base of the parameter-averaging baselines (FedProx, FedAvgM, MOON,
+    FedDisco): each overrides one hook, :meth:`terms` (the clients' extra loss terms),
+    :meth:`weights` (the aggregation weights) or :meth:`server_update` (the new global weights).
+
+    ``init: seed`` (default): round 1 sends the initialisation seed instead of the weights; the clients
+    rebuild the server's initial model bit for bit. ``init: weights`` sends the weights every round."""
+
     name = "fedavg"
     defaults = DEFAULTS
+    ranges = {"init": {"choices": ("seed", "weights")}}
 
     def check(self, ctx: ServerContext) -> None:
         mixed = sorted(set(ctx.client_archs) - {ctx.server_arch})
         if mixed:
             raise ValueError(
-                f"multi-round fedavg needs every client on the server architecture "
-                f"{ctx.server_arch!r}; clients use {mixed}"
+                f"multi-round {self.method} averages parameters: it needs every client on the server "
+                f"architecture {ctx.server_arch!r}; clients use {mixed}"
             )
 
     def setup(self, ctx: ServerContext) -> None:
@@ -71,19 +81,37 @@ class FedAvgRounds(RoundMethod):
         self.global_model = ctx.build(ctx.server_arch, purpose="global")
 
     def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload:
-        weights = {k: v.detach().cpu() for k, v in self.global_model.state_dict().items()}
+        from_seed = round_ == 1 and self.params["init"] == "seed"
+        weights = None if from_seed else {k: v.detach().cpu() for k, v in self.global_model.state_dict().items()}
+        terms = self.terms(client_id, round_, ctx)
         return train_message(ctx.server_arch, ctx.shape, ctx.num_classes, self.local_config(ctx),
-                             init_seed=0, seed=derive_seed(ctx.seed, "client-train", client_id, round_),
-                             weights=weights)
+                             init_seed=derive_seed(ctx.seed, "global", ctx.server_arch) if from_seed else 0,
+                             seed=derive_seed(ctx.seed, "client-train", client_id, round_),
+                             weights=weights, **({"terms": terms} if terms else {}))
+
+    def terms(self, client_id: int, round_: int, ctx: ServerContext) -> dict[str, dict[str, Any]]:
+        """The clients' extra loss terms (hetfl.fl.objectives); FedAvg: none."""
+        return {}
+
+    def weights(self, uploads: dict[int, Payload], ctx: ServerContext) -> list[float]:
+        """Aggregation weights, in ``uploads`` order; FedAvg: the sample counts n_k."""
+        return [float(uploads[c].meta["num_samples"]) for c in uploads]
+
+    def server_update(self, averaged: dict[str, torch.Tensor], ctx: ServerContext) -> dict[str, torch.Tensor]:
+        """The new global weights from this round's average; FedAvg: the average itself."""
+        return averaged
 
     def aggregate(self, round_: int, uploads: dict[int, Payload], ctx: ServerContext) -> None:
         models = client_models(uploads, ctx)
-        state = weighted_average([m.state_dict() for m in models.values()],
-                                 [uploads[c].meta["num_samples"] for c in models])
-        self.global_model.load_state_dict(state)
+        averaged = weighted_average([models[c].state_dict() for c in uploads], self.weights(uploads, ctx))
+        self.global_model.load_state_dict(self.server_update(averaged, ctx))
 
     def models(self) -> dict[str, nn.Module]:
         return {self.name: self.global_model}
+
+
+ROUND_DEFAULTS: dict[str, Any] = {"rounds": 200, "sample_ratio": 0.1, "init": "seed"}  # KDIA's Sec. 6
+ROUND_RANGES: dict[str, dict[str, Any]] = {"rounds": {"ge": 1}, "init": {"choices": ("seed", "weights")}}
 
 
 @register("fedavg")

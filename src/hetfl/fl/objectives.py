@@ -1,0 +1,138 @@
+"""Named extra terms of a client's local objective, added to the cross-entropy of ``train_classifier``.
+
+A request lists its terms in ``meta["terms"]`` (name -> settings); each is built on the client from the
+request, the model it starts from (the received global model) and the client's state, so a baseline
+that changes the local objective is a few lines of its server part, not a new training loop:
+
+* ``proximal`` (FedProx, Li et al. 2020, Eq. 2): ``mu/2 ||w - w_g||^2`` over the trainable parameters,
+  ``w_g`` the received weights.
+* ``contrastive`` (MOON, Li et al. 2021, Eq. 3): ``mu CE([cos(z, z_g), cos(z, z_prev)] / tau, 0)`` on the
+  projection ``z`` (a model with ``projection`` and ``head``), ``z_g`` from the received model and
+  ``z_prev`` from the client's previous local model, kept in its state under ``prev_model.``; no term
+  at a client's first participation; the trained model becomes the stored one.
+* ``kd`` (FedGKD-style self-distillation): ``weight T^2 KL(p_t/T || p_s/T)`` against a model sent in the
+  request's tensors under ``<model>/`` (default ``teacher/``).
+
+A term with a zero weight is not built, so such a request trains exactly as plain cross-entropy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PREV_MODEL = "prev_model."  # client-state prefix of MOON's previous local model
+
+
+class Term:
+    """One extra loss term: ``term(model, x, y, logits, z)``; ``after(model, state)`` once trained."""
+
+    needs_projection = False
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor,
+                 z: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def after(self, model: nn.Module, state: dict[str, Any]) -> None:
+        return None
+
+
+class Proximal(Term):
+    def __init__(self, mu: float, start: nn.Module) -> None:
+        self.mu = mu
+        self.anchor = [p.detach().clone() for p in start.parameters() if p.requires_grad]
+
+    def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
+        params = [p for p in model.parameters() if p.requires_grad]
+        return self.mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(params, self.anchor))
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    model = copy.deepcopy(model).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+class Contrastive(Term):
+    needs_projection = True
+
+    def __init__(self, mu: float, tau: float, start: nn.Module, state: dict[str, Any]) -> None:
+        self.mu, self.tau = mu, tau
+        self.global_model = _frozen(start)
+        prev = {k[len(PREV_MODEL):]: v for k, v in state.items() if k.startswith(PREV_MODEL)}
+        self.prev_model = None
+        if prev:
+            self.prev_model = _frozen(start)
+            self.prev_model.load_state_dict(prev)
+
+    def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
+        if self.prev_model is None:  # a first participation: no previous local model yet
+            return z.new_zeros(())
+        with torch.no_grad():
+            z_g = self.global_model.projection(self.global_model.extract(x))
+            z_prev = self.prev_model.projection(self.prev_model.extract(x))
+        sims = torch.stack([F.cosine_similarity(z, z_g, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)], dim=1)
+        target = torch.zeros(len(x), dtype=torch.long, device=x.device)
+        return self.mu * F.cross_entropy(sims / self.tau, target)
+
+    def after(self, model: nn.Module, state: dict[str, Any]) -> None:
+        for key in [k for k in state if k.startswith(PREV_MODEL)]:
+            del state[key]
+        state.update({PREV_MODEL + k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+
+
+class Distillation(Term):
+    def __init__(self, weight: float, temperature: float, teacher: nn.Module) -> None:
+        self.weight, self.t = weight, temperature
+        self.teacher = _frozen(teacher)
+
+    def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
+        with torch.no_grad():
+            target = F.softmax(self.teacher(x).float() / self.t, dim=1)
+        log_student = F.log_softmax(logits.float() / self.t, dim=1)
+        return self.weight * self.t ** 2 * F.kl_div(log_student, target, reduction="batchmean")
+
+
+def build_terms(spec: dict[str, dict[str, Any]], start: nn.Module, tensors: dict[str, torch.Tensor],
+                state: dict[str, Any]) -> list[Term]:
+    """The terms a request names (module docstring); ``start``: the model before local training."""
+    terms: list[Term] = []
+    for name, settings in spec.items():
+        if name == "proximal":
+            if float(settings["mu"]) > 0:
+                terms.append(Proximal(float(settings["mu"]), start))
+        elif name == "contrastive":
+            if not (hasattr(start, "projection") and hasattr(start, "head")):
+                raise ValueError(f"the contrastive term needs a model with a projection head, "
+                                 f"not {type(start).__name__}")
+            if float(settings["mu"]) > 0:
+                terms.append(Contrastive(float(settings["mu"]), float(settings["tau"]), start, state))
+        elif name == "kd":
+            if float(settings["weight"]) > 0:
+                prefix = f"{settings.get('model', 'teacher')}/"
+                teacher = copy.deepcopy(start)
+                teacher.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+                terms.append(Distillation(float(settings["weight"]), float(settings["temperature"]), teacher))
+        else:
+            raise ValueError(f"unknown loss term {name!r}; known: contrastive, kd, proximal")
+    return terms
+
+
+def objective(terms: list[Term]) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """Cross-entropy plus ``terms`` as a ``local_train`` loss (None: no terms, plain cross-entropy)."""
+    if not terms:
+        return None
+    projection = any(t.needs_projection for t in terms)
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = model.projection(model.extract(x)) if projection else None
+        logits = model.head(z) if projection else model(x)
+        return F.cross_entropy(logits, y) + sum(t(model, x, y, logits, z) for t in terms)
+
+    return loss

@@ -1,0 +1,35 @@
+"""MOON (Li et al., CVPR 2021): model-contrastive local training.
+
+Local objective (Eq. 3-4): ``CE + mu * CE([cos(z, z_g), cos(z, z_prev)] / tau, 0)`` on the projection
+``z`` (the 256-d output before the classifier of ``simplecnn``, MOON's CNN), ``z_g`` from the received
+global model and ``z_prev`` from the client's previous local model, which lives in the client's state
+(:class:`hetfl.fl.objectives.Contrastive`). ``mu`` 5, ``tau`` 0.5 (MOON's CIFAR-10 values, KDIA's
+Sec. 6). At a client's first participation there is no previous model and no term (MOON's code uses
+the global model there, whose term has zero gradient). One previous model (MOON's
+``model_buffer_size`` 1). Aggregation is FedAvg's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hetfl.fl.method import ServerContext, register
+from hetfl.methods.fedavg import ROUND_DEFAULTS, ROUND_RANGES, FedAvgRounds
+from hetfl.models import build_model
+
+
+@register("moon")
+class Moon(FedAvgRounds):
+    name = "moon"
+    defaults = {**ROUND_DEFAULTS, "mu": 5.0, "tau": 0.5}
+    ranges = {**ROUND_RANGES, "mu": {"ge": 0}, "tau": {"gt": 0}}
+
+    def check(self, ctx: ServerContext) -> None:
+        super().check(ctx)
+        model = build_model(ctx.server_arch, ctx.shape[0], ctx.shape[1], ctx.num_classes)
+        if not (hasattr(model, "projection") and hasattr(model, "head")):
+            raise ValueError(f"moon needs a client model with a projection head (such as simplecnn); "
+                             f"{ctx.server_arch!r} has none")
+
+    def terms(self, client_id: int, round_: int, ctx: ServerContext) -> dict[str, dict[str, Any]]:
+        return {"contrastive": {"mu": self.params["mu"], "tau": self.params["tau"]}}
