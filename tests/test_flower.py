@@ -184,6 +184,22 @@ def test_fake_grid_equals_simulator_one_shot_and_rounds(tmp_path: Path, task_ide
     assert_same_results(flower, simulate(rounds, tmp_path / "sim2"))
 
 
+def test_fake_grid_keeps_each_methods_client_state_apart_and_moon_equals_the_simulator(
+        tmp_path: Path, task_identity: None) -> None:
+    from tests.probes import ProbeState  # noqa: F401  (registers probe_state)
+
+    cfg = config(methods={"a": {"method": "probe_state"}, "b": {"method": "probe_state"},
+                          "moon": {"rounds": 3, "sample_ratio": 0.67}, "moon-b": {"method": "moon", "rounds": 2}},
+                 client={**BASE["client"], "model": "simplecnn"}, server={"model": "simplecnn"})
+    flower = serve(cfg, tmp_path / "fl")
+    for name, result in flower["results"].items():  # a probe's client raises on another method's state
+        assert "client_failures" not in result, (name, result.get("client_failures"))
+    sim = simulate(cfg, tmp_path / "sim")
+    assert_same_results(flower, sim)
+    for name in ("a", "moon"):  # client_info answers are counted alike; the models' tensor bytes too
+        assert flower["results"][name]["tensor_bytes"] == sim["results"][name]["tensor_bytes"]
+
+
 def _corrupt(kind: str) -> Callable[[Payload], Payload]:
     def nan(p: Payload) -> Payload:
         name = next(k for k, v in p.tensors.items() if v.is_floating_point())
@@ -266,11 +282,14 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
     """Everything over TLS, registered node keys; an intruder with an unregistered key is turned
-    away while two sampled rounds of FedAvg complete, equal the simulator and leave no process.
+    away while two sampled rounds of FedAvg and of two MOON runs (each with its own client state in the
+    SuperNodes' context) complete, equal the simulator and leave no process.
     (One federation covers all of it: each one costs about a minute of process start-ups on 2 cores.
     The insecure transport runs in the killed-SuperNode and Ctrl-C tests; a generator stage, DENSE,
     is checked against the simulator through the fake Grid.)"""
-    cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}})
+    cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}, "moon": {"rounds": 3, "sample_ratio": 0.67},
+                          "moon-b": {"method": "moon", "rounds": 3, "sample_ratio": 0.67, "mu": 1.0}},
+                 client={**BASE["client"], "model": "simplecnn"}, server={"model": "simplecnn"})
     feds: list[LocalFederation] = []
 
     def intrude(fed: LocalFederation, run_id: int) -> None:

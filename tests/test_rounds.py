@@ -13,13 +13,12 @@ from safetensors.torch import load_file
 
 from hetfl.config import ConfigError
 from hetfl.engine.simulator import Simulator, prepare
-from hetfl.fl.client import ClientEnv, client_task
-from hetfl.fl.method import RoundMethod, ServerContext, register
 from hetfl.fl.objectives import PREV_MODEL, build_terms, objective
 from hetfl.fl.payload import Payload
 from hetfl.methods.checks import validate
 from hetfl.methods.feddisco import disco_weights, discrepancy
 from hetfl.models import build_model
+from tests.probes import ProbeState  # noqa: F401  (registers the probe_state method)
 
 ROUNDS = {"rounds": 3, "sample_ratio": 0.67}
 
@@ -161,42 +160,6 @@ def test_every_model_is_evaluated_and_the_summary_labels_the_selections(tmp_path
 
 
 # ---- client state: per method label, never shared -------------------------------------------------
-@client_task("probe_state")
-def probe_state(message: Payload, env: ClientEnv) -> Payload:
-    owner = message.meta["owner"]
-    if env.state.get("owner", owner) != owner:
-        raise AssertionError(f"{owner} sees the state of {env.state['owner']}")
-    env.state["owner"] = owner
-    env.state["calls"] = int(env.state.get("calls", 0)) + 1
-    env.state["last"] = torch.full((2,), float(env.state["calls"]))
-    return Payload({}, {"calls": env.state["calls"], "kind": "state"})
-
-
-@register("probe_state")
-class ProbeState(RoundMethod):
-    """Counts each client's calls in its state; uploads the count."""
-
-    name = "probe_state"
-    defaults = {"rounds": 3, "sample_ratio": 1.0}
-
-    def setup(self, ctx: ServerContext) -> None:
-        self.holder = ctx.build(ctx.server_arch)
-
-    def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload:
-        return Payload({}, {"task": "probe_state", "owner": self.name, "kind": "state"})
-
-    def validate_upload(self, client_id, message, upload, ctx):  # noqa: ANN001, ANN201
-        return None
-
-    def aggregate(self, round_: int, uploads: dict[int, Payload], ctx: ServerContext) -> None:
-        for cid, upload in uploads.items():
-            if upload.meta["calls"] != round_:
-                raise AssertionError(f"client {cid} counted {upload.meta['calls']} calls in round {round_}")
-
-    def models(self) -> dict[str, torch.nn.Module]:
-        return {self.name: self.holder}
-
-
 def test_two_stateful_methods_never_see_each_others_client_state(tmp_path, tiny_config):
     cfg = copy.deepcopy(tiny_config)
     cfg["methods"] = {"a": {"method": "probe_state"}, "b": {"method": "probe_state"}}
@@ -228,3 +191,142 @@ def test_moon_without_a_projection_head_and_mixed_architectures_fail_before_trai
     cfg["client"]["model"] = ["simplecnn", "cnn2"]
     with pytest.raises(ValueError, match="methods.fedprox: multi-round fedprox averages parameters"):
         run(cfg, tmp_path / "b")
+
+
+# ---- resume after SIGKILL ----------------------------------------------------------------------------
+KILLER = r'''
+import os, signal, sys
+from pathlib import Path
+from hetfl.engine import simulator
+from hetfl.fl.payload import Payload
+from hetfl.methods.fedavg import FedAvgRounds
+mode, at = sys.argv[1], int(sys.argv[2])
+validate = FedAvgRounds.validate_upload
+REJECT = int(os.environ["HETFL_TEST_REJECT"])
+def reject(self, cid, message, upload, ctx):  # one client is rejected in round 2: failures to carry over
+    if cid == REJECT and message.meta.get("round") == 2:
+        from hetfl.fl.payload import PayloadError
+        raise PayloadError("scripted rejection")
+    return validate(self, cid, message, upload, ctx)
+FedAvgRounds.validate_upload = reject
+if mode == "after":  # killed once round `at` is checkpointed
+    save = simulator.Simulator._save_rounds
+    def save_then_die(self, path, name, round_, *args):
+        save(self, path, name, round_, *args)
+        if round_ == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    simulator.Simulator._save_rounds = save_then_die
+else:  # killed halfway through writing round `at`'s checkpoint
+    write = Payload.write
+    def die_while_writing(self, path):
+        path = Path(path)
+        if path.name == "checkpoint.safetensors" and self.meta.get("round") == at:
+            blob = self.to_bytes()
+            path.with_name(f"{path.name}.tmp{os.getpid()}").write_bytes(blob[: len(blob) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(self, path)
+    Payload.write = die_while_writing
+from hetfl.cli import main
+sys.exit(main(["run", sys.argv[3], "--out", sys.argv[4], "--no-cache", "--quiet"]))
+'''
+
+
+def _scripted_rejection(monkeypatch: pytest.MonkeyPatch) -> int:
+    from hetfl.fl.method import sample_clients
+    from hetfl.fl.payload import PayloadError
+    from hetfl.methods.fedavg import FedAvgRounds
+
+    validate_upload = FedAvgRounds.validate_upload
+    target = sample_clients(3, 0.67, 2, 0)[0]
+    monkeypatch.setenv("HETFL_TEST_REJECT", str(target))
+
+    def reject(self, cid, message, upload, ctx):  # noqa: ANN001, ANN202
+        if cid == target and message.meta.get("round") == 2:
+            raise PayloadError("scripted rejection")
+        return validate_upload(self, cid, message, upload, ctx)
+
+    monkeypatch.setattr(FedAvgRounds, "validate_upload", reject)
+    return target
+
+
+def _outcome(folder: Path, label: str) -> tuple:
+    summary = json.loads((folder / "summary.json").read_text())["results"][label]
+    rows = [{k: v for k, v in json.loads(r).items() if k != "logged_at"}
+            for r in (folder / label / "metrics.jsonl").read_text().splitlines()]
+    comm = json.loads((folder / label / "communication.json").read_text())
+    return (weights(folder, label), rows, comm, summary.get("client_failures"), summary["accuracy"],
+            summary["bytes_up"], summary["tensor_bytes"])
+
+
+@pytest.mark.parametrize("label", ["moon", "fedavgm"])
+@pytest.mark.parametrize("mode", ["after", "during"])
+def test_a_killed_run_resumes_to_the_uninterrupted_end(tmp_path, tiny_config, monkeypatch, label, mode):
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = round_config(tiny_config, **{label: {"rounds": 4, "sample_ratio": 0.67}})
+    cfg["client"]["epochs"] = 2
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    target = _scripted_rejection(monkeypatch)
+    full = tmp_path / "full"
+    run(cfg, full)
+    killed = subprocess.run([sys.executable, "-c", KILLER, mode, "2", str(path), str(tmp_path / "cut")],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    if mode == "during":  # half a file under a temporary name; round 1's checkpoint is intact
+        assert list((tmp_path / "cut" / label).glob("checkpoint.safetensors.tmp*"))
+    resumed = run(cfg, tmp_path / "cut")["results"][label]
+    assert resumed["resumed_from_round"] == (2 if mode == "after" else 1)
+    got, want = _outcome(tmp_path / "cut", label), _outcome(full, label)
+    assert same_weights(got[0], want[0])
+    assert got[1:] == want[1:]
+    assert want[3] == [{"round": 2, "client": target, "reason": "upload rejected: scripted rejection"}]
+
+
+def test_the_client_book_counts_accepted_uploads_only_and_round_trips():
+    from hetfl.fl.clientbook import ClientBook
+
+    book = ClientBook(4, 3, keep_models=True)
+    up = Payload({"w": torch.ones(2)}, {"num_samples": 5, "label_counts": [2, 3, 0]})
+    book.update(1, {0: up, 2: up})
+    book.update(3, {2: up})
+    assert book.last_round.tolist() == [1, -1, 3, -1] and book.participations.tolist() == [1, 0, 2, 0]
+    assert book.samples.tolist() == [5, 0, 5, 0] and book.histograms[2].tolist() == [2, 3, 0]
+    assert book.seen() == [0, 2] and torch.equal(book.models[2]["w"], torch.ones(2))
+    again = ClientBook(4, 3, keep_models=True)
+    again.load_state_dict(book.state_dict())
+    assert torch.equal(again.participations, book.participations) and sorted(again.models) == [0, 2]
+
+
+def test_a_rejected_upload_is_no_participation_and_an_empty_round_keeps_the_model(tmp_path, tiny_config,
+                                                                                   monkeypatch):
+    from hetfl.fl.payload import PayloadError
+    from hetfl.methods.fedavg import FedAvgRounds
+
+    def reject_round_2(self, cid, message, upload, ctx):  # noqa: ANN001, ANN202
+        if message.meta.get("round") == 2:
+            raise PayloadError("scripted rejection")
+
+    monkeypatch.setattr(FedAvgRounds, "validate_upload", reject_round_2)
+    cfg = round_config(tiny_config, fedavg={"rounds": 3, "sample_ratio": 1.0})
+    res = run(cfg, tmp_path, keep_checkpoints=True)["results"]["fedavg"]
+    assert res["empty_rounds"] == [2] and len(res["client_failures"]) == 3
+    rows = [json.loads(r) for r in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["accuracy"] == rows[1]["accuracy"]  # round 2 changed nothing
+    saved = Payload.from_bytes((tmp_path / "fedavg" / "checkpoint.safetensors").read_bytes())
+    assert saved.tensors["method.book.participations"].tolist() == [2, 2, 2]  # rounds 1 and 3 only
+
+
+def test_every_model_is_logged_and_the_headline_is_reported(tmp_path, tiny_config):
+    cfg = copy.deepcopy(tiny_config)
+    cfg["validation"] = 0.2
+    cfg["methods"] = {"two": {"method": "probe_two_models", "rounds": 2}}
+    res = run(cfg, tmp_path)["results"]["two"]
+    rows = [json.loads(r) for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()][:-1]
+    assert all(set(r["models"]) == {"first", "second"} and r["headline"] == "second" for r in rows)
+    assert all(set(r["models_val"]) == {"first", "second"} for r in rows)
+    assert res["accuracy"] == rows[-1]["models"]["second"] == res["models"]["second"]
+    assert set(res["models_best"]) == {"first", "second"}

@@ -87,7 +87,7 @@ class FedAvgRounds(RoundMethod):
         return train_message(ctx.server_arch, ctx.shape, ctx.num_classes, self.local_config(ctx),
                              init_seed=derive_seed(ctx.seed, "global", ctx.server_arch) if from_seed else 0,
                              seed=derive_seed(ctx.seed, "client-train", client_id, round_),
-                             weights=weights, **({"terms": terms} if terms else {}))
+                             weights=weights, round=round_, **({"terms": terms} if terms else {}))
 
     def terms(self, client_id: int, round_: int, ctx: ServerContext) -> dict[str, dict[str, Any]]:
         """The clients' extra loss terms (hetfl.fl.objectives); FedAvg: none."""
