@@ -201,6 +201,11 @@ from hetfl.engine import simulator
 from hetfl.fl.payload import Payload
 from hetfl.methods.fedavg import FedAvgRounds
 mode, at = sys.argv[1], int(sys.argv[2])
+import torch
+torch.set_num_threads(int(sys.argv[6]))  # the test process's arithmetic: its thread count and subnormals
+if sys.argv[5] == "1":
+    from hetfl.host import flush_denormals
+    flush_denormals()
 validate = FedAvgRounds.validate_upload
 REJECT = int(os.environ["HETFL_TEST_REJECT"])
 def reject(self, cid, message, upload, ctx):  # one client is rejected in round 2: failures to carry over
@@ -273,7 +278,11 @@ def test_a_killed_run_resumes_to_the_uninterrupted_end(tmp_path, tiny_config, mo
     target = _scripted_rejection(monkeypatch)
     full = tmp_path / "full"
     run(cfg, full)
-    killed = subprocess.run([sys.executable, "-c", KILLER, mode, "2", str(path), str(tmp_path / "cut")],
+    from hetfl.host import flush_denormal_setting
+
+    same_arithmetic = [str(int(flush_denormal_setting())), str(torch.get_num_threads())]
+    killed = subprocess.run([sys.executable, "-c", KILLER, mode, "2", str(path), str(tmp_path / "cut"),
+                             *same_arithmetic],
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     if mode == "during":  # half a file under a temporary name; round 1's checkpoint is intact
