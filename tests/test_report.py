@@ -36,7 +36,7 @@ def test_results_table_has_the_columns_one_row_per_method_and_the_notes():
     budget, seconds = lines[2 + len(RESULTS):]
     # FedDF ran 300 of its 2,000 steps (15 %), the generator family 8 x 8 of 200 x 30 (1 %)
     assert budget.startswith("note: feddf (300 of 2,000 steps); dense, ours (8 of 200 epochs, "
-                             "8 of 30 generator steps) ran a small part of their default server stage")
+                             "8 of 30 generator steps) ran a small part of their default budget")
     assert "accuracy.png" in budget and "docs/results/" in budget and "central" not in budget
     assert seconds == ("server s leaves out the clients' local training: 88.8 s (once, for the 5 methods "
                        "that share the uploads)")

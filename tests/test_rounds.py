@@ -35,6 +35,21 @@ def run(cfg: dict, out: Path, **kw: Any) -> dict:
     return Simulator(prepare(validate(cfg)), out, None, quiet=True, **kw).run()
 
 
+def started(cfg: dict, label: str, folder: Path):  # noqa: ANN201
+    """The method ``label`` of ``cfg``, started on a simulator-bound server context: (method, ctx)."""
+    from hetfl.fl.comm import CommLedger
+    from hetfl.fl.method import create_method
+
+    cfg = validate(cfg)
+    sim = Simulator(prepare(cfg), folder, None, quiet=True)
+    method = create_method(label, cfg["methods"][label])
+    ledger = CommLedger()
+    ctx = sim._context(label, ledger, [], make_dir=False)
+    sim._bind(label, method, ctx, ledger, [], {})
+    method.start(ctx)
+    return method, ctx
+
+
 def weights(folder: Path, label: str) -> dict[str, torch.Tensor]:
     return load_file(str(folder / label / f"{label}.safetensors"))
 
@@ -81,14 +96,8 @@ def test_feddisco_weights_equal_a_hand_computation():
 
 
 def test_fedavgm_buffer_equals_a_hand_computation(tiny_config):
-    cfg = validate(round_config(tiny_config, fedavgm={"rounds": 2, "beta": 0.5, "server_lr": 0.8}))
-    sim = Simulator(prepare(cfg), Path("/tmp/unused-fedavgm"), None, quiet=True)
-    from hetfl.fl.comm import CommLedger
-    from hetfl.fl.method import create_method
-
-    method = create_method("fedavgm", cfg["methods"]["fedavgm"])
-    ctx = sim._context("fedavgm", CommLedger(), [], make_dir=False)
-    method.start(ctx)
+    method, ctx = started(round_config(tiny_config, fedavgm={"rounds": 2, "beta": 0.5, "server_lr": 0.8}), "fedavgm",
+                          Path("/tmp/unused-fedavgm"))
     w0 = {k: v.clone() for k, v in method.global_model.state_dict().items()}
     avg1 = {k: v + 1.0 for k, v in w0.items()}
     w1 = method.server_update(avg1, ctx)  # v1 = w0 - avg1 = -1; w1 = w0 - 0.8 v1 = w0 + 0.8

@@ -91,7 +91,7 @@ def budget_note(results: dict[str, dict[str, Any]]) -> str:
     if not groups:
         return ""
     named = "; ".join(f"{', '.join(names)} ({ran})" for ran, names in groups.items())
-    return (f"note: {named} ran a small part of their default server stage: not what these methods reach "
+    return (f"note: {named} ran a small part of their default budget: not what these methods reach "
             f"at full budget (curves: accuracy.png; paper-budget numbers: docs/results/)")
 
 

@@ -97,8 +97,7 @@ class ClientExchange:
         carry another client's data and count as ``peer``."""
         failures: dict[int, str] = {}
         for cid, message in messages.items():
-            ledger.add(round_, cid, "peer" if relay and cid in relay else "down", message.nbytes, message.kind,
-                       message.tensor_nbytes)
+            ledger.add_payload(round_, cid, "peer" if relay and cid in relay else "down", message)
         if self.transport is None:
             bar = self.progress(list(messages), desc=desc, unit="client")
             trained = self._train_groups(messages, states, cacheable, bar) if self.batch_clients else {}
@@ -111,7 +110,7 @@ class ClientExchange:
         else:
             uploads, failures = self._remote(round_, messages, cacheable, method.name)
             for cid, upload in uploads.items():
-                ledger.add(round_, cid, "up", upload.nbytes, upload.kind, upload.tensor_nbytes)
+                ledger.add_payload(round_, cid, "up", upload)
         accepted: dict[int, Payload] = {}
         for cid, upload in sorted(uploads.items()):
             try:
@@ -187,7 +186,7 @@ class ClientExchange:
             self.cached_calls += 1
         if timing is not None:
             timing[cid] = seconds
-        ledger.add(round_, cid, "up", upload.nbytes, upload.kind, upload.tensor_nbytes)
+        ledger.add_payload(round_, cid, "up", upload)
         return upload
 
     def _train_groups(self, messages: dict[int, Payload], states: dict[int, dict], cacheable: bool,

@@ -23,7 +23,7 @@ def weighted_average(states: Sequence[dict[str, torch.Tensor]], weights: Sequenc
     w = normalise(weights)
     keys = list(states[0])
     for s in states[1:]:
-        if list(s) != keys:
+        if set(s) != set(keys):
             raise ValueError("cannot average models with different parameter names (heterogeneous architectures)")
     out = {}
     for key in keys:

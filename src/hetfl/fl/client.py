@@ -141,13 +141,20 @@ def train_classifier(message: Payload, env: ClientEnv) -> Payload:
     model = model_from_message(message).to(env.device)
     cfg = TrainConfig(**message.meta["train"])
     terms = build_terms(message.meta.get("terms") or {}, model,
-                        {k: v.to(env.device) for k, v in message.tensors.items() if "/" in k}, env.state)
+                        {k: v.to(env.device) for k, v in message.tensors.items() if "/" in k}, env.state,
+                        {"num_samples": len(env.data), "batch_size": cfg.batch_size, "epochs": cfg.epochs,
+                         "seed": derive_term_seed(int(message.meta["seed"]))})
     loss = objective(terms)
     stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress,
                         checkpoint=env.checkpoint, **({"loss_fn": loss} if loss else {}))
     for term in terms:
         term.after(model, env.state)
     return state_payload(model.cpu(), arch=message.meta["arch"], train_loss=stats["loss"])
+
+
+def derive_term_seed(seed: int) -> int:
+    """The seed of a loss term's own random stream (generated labels and noise), apart from the batch order."""
+    return (seed * 1_000_003 + 7) & 0x7FFFFFFF
 
 
 def _train_group_key(message: Payload, env: ClientEnv) -> tuple[Any, ...] | None:

@@ -14,6 +14,10 @@ A record is ``(round, client, direction, payload_bytes, kind, tensor_bytes)``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hetfl.fl.payload import Payload
 
 DIRECTIONS = ("up", "down", "peer")
 KINDS = ("model", "logits", "soft_labels", "distilled_data", "raw_data", "state", "generator", "info")
@@ -34,6 +38,19 @@ class CommLedger:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self.records.append((int(round_), int(client), direction, int(nbytes), kind, int(tensor_bytes)))
+
+    def add_payload(self, round_: int, client: int, direction: str, payload: Payload) -> None:
+        """One payload: its bytes under its ``kind``; tensors whose names start with a prefix in its
+        ``tensor_kinds`` metadata (e.g. ``{"generator/": "generator"}``) count as that kind (a record of
+        their own with no payload bytes)."""
+        prefixes: dict[str, str] = dict(payload.meta.get("tensor_kinds") or {})
+        by_kind: dict[str, int] = {}
+        for name, t in payload.tensors.items():
+            kind = next((k for p, k in prefixes.items() if name.startswith(p)), payload.kind)
+            by_kind[kind] = by_kind.get(kind, 0) + t.numel() * t.element_size()
+        self.add(round_, client, direction, payload.nbytes, payload.kind, by_kind.pop(payload.kind, 0))
+        for kind, nbytes in sorted(by_kind.items()):
+            self.add(round_, client, direction, 0, kind, nbytes)
 
     def restore(self, rows: list[list]) -> None:
         """The records of a checkpoint's JSON (rows of an older 4-field form count as models)."""

@@ -10,8 +10,13 @@ that changes the local objective is a few lines of its server part, not a new tr
   projection ``z`` (a model with ``projection`` and ``head``), ``z_g`` from the received model and
   ``z_prev`` from the client's previous local model, kept in its state under ``prev_model.``; no term
   at a client's first participation; the trained model becomes the stored one.
-* ``kd`` (FedGKD-style self-distillation): ``weight T^2 KL(p_t/T || p_s/T)`` against a model sent in the
-  request's tensors under ``<model>/`` (default ``teacher/``).
+* ``kd`` (self-distillation, FedGKD, KDIA Eq. 11): ``weight [T^2] KL(p_t/T || p_s/T)`` against a model sent
+  in the request's tensors under ``<model>/`` (default ``teacher/``); ``t2: false`` drops the T^2 factor
+  (KDIA), ``direction: code`` takes KL(p_s/T || p_t/T) (KDIA's code).
+* ``generated`` (KDIA Eq. 12): ``weight CE(classify(G(eps, y~)), y~)`` with a frozen
+  :class:`~hetfl.models.generator.FeatureGenerator` sent under ``generator/``, ``eps ~ N(0, I)`` and
+  ``y~`` uniform labels, one per real sample of the batch (``N_k E`` per batch where the client holds
+  fewer than a batch), drawn from a stream seeded by the request.
 
 A term with a zero weight is not built, so such a request trains exactly as plain cross-entropy.
 """
@@ -88,20 +93,41 @@ class Contrastive(Term):
 
 
 class Distillation(Term):
-    def __init__(self, weight: float, temperature: float, teacher: nn.Module) -> None:
-        self.weight, self.t = weight, temperature
-        self.teacher = _frozen(teacher)
+    def __init__(self, weight: float, temperature: float, teacher: nn.Module, t2: bool = True,
+                 direction: str = "paper") -> None:
+        self.weight, self.t = weight * (temperature ** 2 if t2 else 1.0), temperature
+        self.teacher, self.direction = _frozen(teacher), direction
 
     def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
         with torch.no_grad():
-            target = F.softmax(self.teacher(x).float() / self.t, dim=1)
+            log_teacher = F.log_softmax(self.teacher(x).float() / self.t, dim=1)
         log_student = F.log_softmax(logits.float() / self.t, dim=1)
-        return self.weight * self.t ** 2 * F.kl_div(log_student, target, reduction="batchmean")
+        if self.direction == "code":  # KL(student || teacher), the gradient through the student's side
+            return self.weight * F.kl_div(log_teacher, log_student, reduction="batchmean", log_target=True)
+        return self.weight * F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True)
+
+
+class Generated(Term):
+    def __init__(self, weight: float, generator: nn.Module, num_samples: int, batch_size: int, epochs: int,
+                 seed: int) -> None:
+        self.weight, self.generator = weight, _frozen(generator)
+        self.per_batch = num_samples * epochs if num_samples < batch_size else None  # KDIA's small-client rule
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
+        n = self.per_batch or len(x)
+        labels = torch.randint(0, self.generator.num_classes, (n,), generator=self.rng)
+        noise = torch.randn(n, self.generator.noise_dim, generator=self.rng)
+        with torch.no_grad():
+            features = self.generator(noise.to(x.device), labels.to(x.device))
+        return self.weight * F.cross_entropy(model.classify(features), labels.to(x.device))
 
 
 def build_terms(spec: dict[str, dict[str, Any]], start: nn.Module, tensors: dict[str, torch.Tensor],
-                state: dict[str, Any]) -> list[Term]:
-    """The terms a request names (module docstring); ``start``: the model before local training."""
+                state: dict[str, Any], context: dict[str, Any] | None = None) -> list[Term]:
+    """The terms a request names (module docstring); ``start``: the model before local training;
+    ``context``: the client's ``num_samples``, ``batch_size``, ``epochs`` and the request's ``seed``."""
+    context = context or {}
     terms: list[Term] = []
     for name, settings in spec.items():
         if name == "proximal":
@@ -118,9 +144,20 @@ def build_terms(spec: dict[str, dict[str, Any]], start: nn.Module, tensors: dict
                 prefix = f"{settings.get('model', 'teacher')}/"
                 teacher = copy.deepcopy(start)
                 teacher.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-                terms.append(Distillation(float(settings["weight"]), float(settings["temperature"]), teacher))
+                terms.append(Distillation(float(settings["weight"]), float(settings["temperature"]), teacher,
+                                          bool(settings.get("t2", True)), str(settings.get("direction", "paper"))))
+        elif name == "generated":
+            if float(settings["weight"]) > 0:
+                from hetfl.models.generator import FeatureGenerator
+
+                generator = FeatureGenerator(int(settings["noise_dim"]), int(settings["num_classes"]),
+                                             tuple(settings["feature_shape"]))
+                generator.load_state_dict({k[10:]: v for k, v in tensors.items() if k.startswith("generator/")})
+                terms.append(Generated(float(settings["weight"]), generator.to(next(start.parameters()).device),
+                                       int(context["num_samples"]), int(context["batch_size"]),
+                                       int(context["epochs"]), int(context["seed"])))
         else:
-            raise ValueError(f"unknown loss term {name!r}; known: contrastive, kd, proximal")
+            raise ValueError(f"unknown loss term {name!r}; known: contrastive, generated, kd, proximal")
     return terms
 
 

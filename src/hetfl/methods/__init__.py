@@ -15,9 +15,11 @@ from hetfl.methods import (  # noqa: F401
     fedcvae,
     feddf,
     feddisco,
+    fedgkd,
     fedhydra,
     fedmho,
     fedprox,
+    kdia,
     moon,
     ot,
 )

@@ -149,3 +149,31 @@ def _is_channels_last(t: torch.Tensor) -> bool:
 @torch.no_grad()
 def _normal_in_logical_order(weight: torch.Tensor, mean: float, std: float = 0.02) -> None:
     weight.copy_(torch.empty(weight.shape, dtype=weight.dtype, device=weight.device).normal_(mean, std))
+
+
+class FeatureGenerator(nn.Module):
+    """KDIA's conditional feature generator (Sec. 5, the authors' ``Generator``): noise (``noise_dim``)
+    concatenated with a learned label embedding (C x C), as a 1x1 map, then transposed 2x2 convolutions
+    of stride 1 (each grows the map by one pixel) with BatchNorm and LeakyReLU(0.2), widths 512, 256,
+    128, ..., and a Sigmoid: a ``feature_shape`` (C_f, H, H) map for a client model's ``classify``
+    (16x5x5 for ``simplecnn``: four layers, as in the authors' code)."""
+
+    def __init__(self, noise_dim: int, num_classes: int, feature_shape: tuple[int, int, int]) -> None:
+        super().__init__()
+        channels, height, width = feature_shape
+        if height != width or height < 2:
+            raise ValueError(f"the feature generator makes square maps of side >= 2, not {feature_shape}")
+        self.noise_dim, self.num_classes, self.feature_shape = noise_dim, num_classes, tuple(feature_shape)
+        self.embed = nn.Embedding(num_classes, num_classes)
+        widths = [max(512 >> i, 64) for i in range(height - 2)]
+        layers: list[nn.Module] = []
+        cin = noise_dim + num_classes
+        for w in widths:
+            layers += [nn.ConvTranspose2d(cin, w, 2, 1), nn.BatchNorm2d(w), nn.LeakyReLU(0.2, inplace=True)]
+            cin = w
+        layers += [nn.ConvTranspose2d(cin, channels, 2, 1), nn.Sigmoid()]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, noise: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        z = torch.cat([noise, self.embed(labels)], dim=1)
+        return self.net(z[:, :, None, None])

@@ -1,0 +1,134 @@
+"""KDIA and FedGKD: triFreqs, the teacher, the generator, resume and Flower (tiny synthetic data)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hetfl.config import ConfigError
+from hetfl.fl.clientbook import ClientBook
+from hetfl.fl.payload import Payload
+from hetfl.methods.kdia import tri_freqs
+from tests.test_rounds import ROUNDS, round_config, run, same_weights, started
+
+KDIA = {"rounds": 3, "sample_ratio": 0.67, "gen_epochs": 1, "gen_batches": 4, "gen_batch_size": 16}
+
+
+def scripted_book() -> ClientBook:
+    book = ClientBook(4, 2)
+    up = Payload({}, {"num_samples": 1})
+    book.update(1, {0: up, 1: up})
+    book.update(2, {1: up, 2: up})
+    return book
+
+
+def test_tri_freqs_equal_the_hand_computation():
+    sizes = torch.tensor([10.0, 20.0, 30.0, 40.0])
+    gm = tri_freqs(scripted_book(), 2, sizes, "gm")
+    am = tri_freqs(scripted_book(), 2, sizes, "am")
+    assert float(gm.sum()) == pytest.approx(1.0) and float(am.sum()) == pytest.approx(1.0)
+    assert gm.tolist() == pytest.approx([0.1913, 0.4237, 0.3850, 0.0], abs=1e-4)
+    assert am.tolist() == pytest.approx([0.1657, 0.3665, 0.3165, 0.1514], abs=1e-4)
+    book = ClientBook(4, 2)  # C = 1: every client every round -> F proportional to N_k^(1/3)
+    for r in (1, 2, 3):
+        book.update(r, {k: Payload({}, {"num_samples": 1}) for k in range(4)})
+    full = tri_freqs(book, 3, sizes, "gm")
+    cube = sizes.double() ** (1 / 3)
+    assert full.tolist() == pytest.approx((cube / cube.sum()).tolist(), abs=1e-9)
+
+
+def test_the_teacher_is_the_tri_freqs_sum_of_the_stored_uploads(tmp_path, tiny_config):
+    method, ctx = started(round_config(tiny_config, kdia=dict(KDIA)), "kdia", tmp_path)
+    torch.manual_seed(0)
+    base = method.global_model.state_dict()
+    uploads = {c: Payload({k: v + torch.randn_like(v) for k, v in base.items()},
+                          {"num_samples": 10 * (c + 1), "label_counts": [10 * (c + 1), 0, 0, 0]}) for c in (0, 2)}
+    method.book.update(1, uploads)
+    got = method.teacher_state(1)
+    f = tri_freqs(method.book, 1, method.sizes, "gm")
+    for key, value in got.items():  # a slow loop over every client
+        slow = sum(float(f[k]) * (uploads[k].tensors[key] if k in uploads else method.initial[key]).double()
+                   for k in range(3))
+        assert torch.allclose(value.double(), slow, atol=1e-6), key
+    assert float(f[1]) == 0.0  # never seen: weight 0 under the geometric mean
+
+
+def test_kdia_runs_reports_student_teacher_and_the_pick_and_counts_generator_bytes(tmp_path, tiny_config):
+    cfg = round_config(tiny_config, kdia=dict(KDIA))
+    cfg["validation"] = 0.2
+    res = run(cfg, tmp_path)["results"]["kdia"]
+    assert set(res["models"]) == {"kdia[student]", "kdia[teacher]"}
+    assert res["tensor_bytes"]["down"]["generator"] > 0 and "val_selected_accuracy" in res
+    rows = [json.loads(r) for r in (tmp_path / "kdia" / "metrics.jsonl").read_text().splitlines()][:-1]
+    assert all(set(r["models"]) == {"kdia[student]", "kdia[teacher]"} for r in rows)
+    picked = rows[-1]["headline"]
+    assert rows[-1]["models_val"][picked] == max(rows[-1]["models_val"].values())
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    ({"select": "val"}, "select: val needs a validation split"),
+    ({"teacher_weights": "median"}, "methods.kdia.teacher_weights"),
+    ({"kd_direction": "sideways"}, "methods.kdia.kd_direction"),
+    ({"lambda_kd": -1}, "methods.kdia.lambda_kd"),
+    ({"tau": 0}, "methods.kdia.tau"),
+])
+def test_kdia_bad_settings_fail_before_training(tmp_path, tiny_config, change, key):
+    cfg = round_config(tiny_config, kdia={**KDIA, **change})
+    with pytest.raises((ConfigError, ValueError), match=key.replace(".", r"\.")):
+        run(cfg, tmp_path)
+
+
+def test_kdia_killed_after_a_round_resumes_to_the_same_bits(tmp_path, tiny_config, monkeypatch):
+    from hetfl.methods.kdia import KDIA as Method
+
+    cfg = round_config(tiny_config, kdia=dict(KDIA))
+    full = run(copy.deepcopy(cfg), tmp_path / "full")["results"]["kdia"]
+    original, calls = Method.aggregate, []
+
+    def crash_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
+        calls.append(round_)
+        if round_ == 3 and len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    monkeypatch.setattr(Method, "aggregate", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(copy.deepcopy(cfg), tmp_path / "cut")
+    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["kdia"]
+    assert resumed["resumed_from_round"] == 2
+    for name in ("kdia_student", "kdia_teacher"):  # the generator and its Adam state resumed too
+        assert same_weights(load_file(str(tmp_path / "full" / "kdia" / f"{name}.safetensors")),
+                            load_file(str(tmp_path / "cut" / "kdia" / f"{name}.safetensors")))
+    assert resumed["accuracy"] == full["accuracy"] and resumed["tensor_bytes"] == full["tensor_bytes"]
+    rows = [(tmp_path / d / "kdia" / "metrics.jsonl").read_text().splitlines() for d in ("full", "cut")]
+    strip = [[{k: v for k, v in json.loads(r).items() if k != "logged_at"} for r in f] for f in rows]
+    assert strip[0] == strip[1]
+
+
+def test_fedgkd_buffer_holds_the_last_global_models_and_its_teacher_is_their_mean(tmp_path, tiny_config):
+    method, ctx = started(round_config(tiny_config, fedgkd={"rounds": 9, "buffer_length": 3}), "fedgkd", tmp_path)
+    assert method.teacher() is None and method.terms(0, 1, ctx) == {}  # round 1: no term
+    base = {k: v.clone() for k, v in method.global_model.state_dict().items()}
+    uploads = {0: Payload(base, {"num_samples": 1, "arch": "simplecnn"})}
+    for r in range(1, 6):  # scripted rounds: the global model after round r is base + r
+        uploads[0].tensors = {k: v + r for k, v in base.items()}
+        method.aggregate(r, uploads, ctx)
+    assert len(method.buffer) == 3
+    teacher = method.teacher()
+    for key, value in base.items():  # the mean of rounds 3, 4, 5
+        assert torch.allclose(teacher[key], value + 4, atol=1e-5)
+    assert method.terms(0, 6, ctx) == {"kd": {"weight": 0.1, "temperature": 2.0}}
+    message = method.client_message(0, 6, ctx)
+    assert any(k.startswith("teacher/") for k in message.tensors)
+
+
+def test_fedgkd_runs_and_resumes(tmp_path, tiny_config):
+    cfg = round_config(tiny_config, fedgkd=dict(ROUNDS), fedavg=dict(ROUNDS))
+    res = run(cfg, tmp_path, keep_checkpoints=True)["results"]
+    assert res["fedgkd"]["tensor_bytes"]["down"]["model"] > res["fedavg"]["tensor_bytes"]["down"]["model"]
+    saved = Payload.from_bytes((tmp_path / "fedgkd" / "checkpoint.safetensors").read_bytes())
+    assert {k.split(".")[2] for k in saved.tensors if k.startswith("method.buffer.")} == {"0", "1", "2"}
