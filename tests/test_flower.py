@@ -200,14 +200,16 @@ def test_fake_grid_keeps_each_methods_client_state_apart_and_moon_equals_the_sim
         assert flower["results"][name]["tensor_bytes"] == sim["results"][name]["tensor_bytes"]
 
 
-def test_fake_grid_kdia_and_fedgkd_equal_the_simulator(tmp_path: Path, task_identity: None) -> None:
+def test_fake_grid_kdia_and_its_baselines_equal_the_simulator(tmp_path: Path, task_identity: None) -> None:
     cfg = config(methods={"kdia": {"rounds": 3, "sample_ratio": 0.67, "gen_epochs": 1, "gen_batches": 3,
                                    "gen_batch_size": 16},
-                          "fedgkd": {"rounds": 3, "sample_ratio": 0.67}},
+                          "fedgkd": {"rounds": 3, "sample_ratio": 0.67},
+                          "fedgen": {"rounds": 3, "sample_ratio": 0.67, "gen_steps": 3},
+                          "fedcog": {"rounds": 3, "sample_ratio": 0.67, "start_round": 2, "g_steps": 3, "g_size": 16}},
                  client={**BASE["client"], "model": "simplecnn"}, server={"model": "simplecnn"})
     flower, sim = serve(cfg, tmp_path / "fl"), simulate(cfg, tmp_path / "sim")
     assert_same_results(flower, sim)
-    for name in ("kdia", "fedgkd"):
+    for name in ("kdia", "fedgkd", "fedgen", "fedcog"):
         assert flower["results"][name]["tensor_bytes"] == sim["results"][name]["tensor_bytes"]
     assert flower["results"]["kdia"]["models"] == pytest.approx(sim["results"]["kdia"]["models"], abs=1e-6)
 

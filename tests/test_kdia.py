@@ -132,3 +132,111 @@ def test_fedgkd_runs_and_resumes(tmp_path, tiny_config):
     assert res["fedgkd"]["tensor_bytes"]["down"]["model"] > res["fedavg"]["tensor_bytes"]["down"]["model"]
     saved = Payload.from_bytes((tmp_path / "fedgkd" / "checkpoint.safetensors").read_bytes())
     assert {k.split(".")[2] for k in saved.tensors if k.startswith("method.buffer.")} == {"0", "1", "2"}
+
+
+# ---- FedGen ----------------------------------------------------------------------------------------
+def test_fedgen_trains_its_generator_sends_it_from_round_2_and_resumes(tmp_path, tiny_config, monkeypatch):
+    from hetfl.methods.fedgen import FedGen
+
+    params = {"rounds": 3, "sample_ratio": 0.67, "gen_steps": 3}
+    cfg = round_config(tiny_config, fedgen=dict(params))
+    full = run(copy.deepcopy(cfg), tmp_path / "full")["results"]["fedgen"]
+    rows = [json.loads(r) for r in (tmp_path / "full" / "fedgen" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and full["tensor_bytes"]["down"]["generator"] > 0
+    method, ctx = started(copy.deepcopy(cfg), "fedgen", tmp_path / "probe")
+    assert method.terms(0, 1, ctx) == {} and "tensor_kinds" not in method.client_message(0, 1, ctx).meta
+    assert method.terms(0, 3, ctx)["fedgen"]["alpha"] == pytest.approx(10 * 0.98 ** 2)
+    original, calls = FedGen.aggregate, []
+
+    def crash_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
+        calls.append(round_)
+        if round_ == 3 and len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    monkeypatch.setattr(FedGen, "aggregate", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(copy.deepcopy(cfg), tmp_path / "cut")
+    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["fedgen"]
+    assert resumed["resumed_from_round"] == 2 and resumed["accuracy"] == full["accuracy"]
+    assert same_weights(load_file(str(tmp_path / "full" / "fedgen" / "fedgen.safetensors")),
+                        load_file(str(tmp_path / "cut" / "fedgen" / "fedgen.safetensors")))
+
+
+def test_fedgen_diversity_equals_a_slow_loop():
+    from hetfl.methods.fedgen import fedgen_diversity
+
+    torch.manual_seed(1)
+    noise, out = torch.randn(5, 3), torch.randn(5, 4)
+    total = 0.0
+    for i in range(5):
+        for j in range(5):
+            total += float(((noise[i] - noise[j]) ** 2).mean()) * float((out[i] - out[j]).abs().mean())
+    assert float(fedgen_diversity(noise, out)) == pytest.approx(torch.exp(torch.tensor(-total / 25)).item(), rel=1e-5)
+
+
+# ---- FedCOG ----------------------------------------------------------------------------------------
+def test_fedcog_label_proportions_follow_the_complement_of_the_histogram():
+    from hetfl.fl.objectives import complement_labels
+
+    counts = torch.tensor([50, 10, 0, 40])  # gaps 0, 40, 50, 10: shares of 100 = 0, .4, .5, .1
+    labels = complement_labels(counts, 20)
+    assert torch.bincount(labels, minlength=4).tolist() == [0, 8, 10, 2]
+    labels = complement_labels(counts, 7)  # 2.8, 3.5, 0.7 -> floors 2, 3, 0 and the 2 largest remainders
+    assert torch.bincount(labels, minlength=4).tolist() == [0, 3, 3, 1]
+    assert torch.bincount(complement_labels(torch.tensor([5, 5]), 4)).tolist() == [2, 2]  # flat: all alike
+
+
+def test_fedcog_before_start_round_equals_fedavg_and_then_differs(tmp_path, tiny_config, monkeypatch):
+    from hetfl.methods.fedcog import FedCOG
+
+    fast = {"g_steps": 3, "g_size": 16}
+    cfg = round_config(tiny_config, fedavg={**ROUNDS, "rounds": 2}, fedcog={**ROUNDS, "start_round": 3, **fast})
+    original = FedCOG.aggregate
+
+    def stop_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
+        if round_ == 3:  # the first synthesis round trained; its checkpoint holds round 2
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    monkeypatch.setattr(FedCOG, "aggregate", stop_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, tmp_path)
+    base = load_file(str(tmp_path / "fedavg" / "fedavg.safetensors"))
+    saved = Payload.from_bytes((tmp_path / "fedcog" / "checkpoint.safetensors").read_bytes()).tensors
+    prefix = "method.fedcog."
+    assert same_weights(base, {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
+    monkeypatch.undo()
+    cfg["methods"] = {"fedavg": dict(ROUNDS), "fedcog": {**ROUNDS, "start_round": 2, **fast}}
+    run(cfg, tmp_path / "on")
+    assert not same_weights(load_file(str(tmp_path / "on" / "fedavg" / "fedavg.safetensors")),
+                            load_file(str(tmp_path / "on" / "fedcog" / "fedcog.safetensors")))
+
+
+def test_fedcog_start_round_past_the_end_fails_before_training(tmp_path, tiny_config):
+    cfg = round_config(tiny_config, fedcog={**ROUNDS, "start_round": 5})
+    with pytest.raises(ValueError, match="methods.fedcog: start_round 5 is past the last round"):
+        run(cfg, tmp_path)
+
+
+def test_fedcog_killed_after_a_round_resumes_to_the_same_bits(tmp_path, tiny_config, monkeypatch):
+    from hetfl.methods.fedcog import FedCOG
+
+    cfg = round_config(tiny_config, fedcog={"rounds": 4, "sample_ratio": 0.67, "start_round": 2, "g_steps": 3,
+                                            "g_size": 16})
+    full = run(copy.deepcopy(cfg), tmp_path / "full")["results"]["fedcog"]
+    original, calls = FedCOG.aggregate, []
+
+    def crash_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
+        calls.append(round_)
+        if round_ == 3 and len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    monkeypatch.setattr(FedCOG, "aggregate", crash_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(copy.deepcopy(cfg), tmp_path / "cut")
+    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["fedcog"]
+    assert resumed["resumed_from_round"] == 2 and resumed["accuracy"] == full["accuracy"]
+    assert same_weights(load_file(str(tmp_path / "full" / "fedcog" / "fedcog.safetensors")),
+                        load_file(str(tmp_path / "cut" / "fedcog" / "fedcog.safetensors")))

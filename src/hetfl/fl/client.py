@@ -143,6 +143,9 @@ def train_classifier(message: Payload, env: ClientEnv) -> Payload:
     terms = build_terms(message.meta.get("terms") or {}, model,
                         {k: v.to(env.device) for k, v in message.tensors.items() if "/" in k}, env.state,
                         {"num_samples": len(env.data), "batch_size": cfg.batch_size, "epochs": cfg.epochs,
+                         "label_counts": env.data.label_counts().tolist(),
+                         "shape": (int(message.meta["in_channels"]), int(message.meta["image_size"]),
+                                   int(message.meta["image_size"])),
                          "seed": derive_term_seed(int(message.meta["seed"]))})
     loss = objective(terms)
     stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress,

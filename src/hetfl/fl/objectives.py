@@ -17,6 +17,18 @@ that changes the local objective is a few lines of its server part, not a new tr
   :class:`~hetfl.models.generator.FeatureGenerator` sent under ``generator/``, ``eps ~ N(0, I)`` and
   ``y~`` uniform labels, one per real sample of the batch (``N_k E`` per batch where the client holds
   fewer than a batch), drawn from a stream seeded by the request.
+* ``fedcog`` (FedCOG, Ye et al. 2024): before training, the client optimises ``size`` images from noise
+  (Adam ``lr``, ``steps``) for labels in proportion to ``max_count - count_c`` of its histogram:
+  ``CE(global(x), y) + adv (1 - JS(prev(x), global(x)))``, prev its previous local model (client state;
+  the received model at a first participation); local loss = ``real`` x CE + ``syn`` x KL(global || model)
+  on a synthetic batch per step (``real = n/(n + n_syn)``, ``syn = n_syn/(n + n_syn)``,
+  ``n_syn = sum_c (max_count - count_c)``; ``kd_weight >= 0``: ``real`` 1 and ``syn`` = kd_weight).
+* ``fedgen`` (FedGen, Zhu et al. 2021): with a frozen :class:`~hetfl.models.generator.LatentGenerator` sent
+  under ``generator/`` (the input of the model's ``head``): ``beta KL(p_G || p_model(x))``, p_G the head's
+  softmax on G(eps, y) for the batch's labels, plus ``alpha CE(head(G(eps, y')), y')`` with y' drawn from
+  the client's own labels (one per sample); ``noise: normal | uniform`` (the authors' code: uniform).
+
+* ``remember``: no loss; the trained model becomes the client's previous local model.
 
 A term with a zero weight is not built, so such a request trains exactly as plain cross-entropy.
 """
@@ -38,6 +50,7 @@ class Term:
     """One extra loss term: ``term(model, x, y, logits, z)``; ``after(model, state)`` once trained."""
 
     needs_projection = False
+    adds_loss = True
 
     def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor,
                  z: torch.Tensor | None) -> torch.Tensor:
@@ -87,9 +100,23 @@ class Contrastive(Term):
         return self.mu * F.cross_entropy(sims / self.tau, target)
 
     def after(self, model: nn.Module, state: dict[str, Any]) -> None:
-        for key in [k for k in state if k.startswith(PREV_MODEL)]:
-            del state[key]
-        state.update({PREV_MODEL + k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+        keep_as_previous(model, state)
+
+
+def keep_as_previous(model: nn.Module, state: dict[str, Any]) -> None:
+    """Store ``model`` as the client's previous local model (``prev_model.`` in its state)."""
+    for key in [k for k in state if k.startswith(PREV_MODEL)]:
+        del state[key]
+    state.update({PREV_MODEL + k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+
+
+class Remember(Term):
+    """No loss: the trained model becomes the client's previous local model (``remember``)."""
+
+    adds_loss = False
+
+    def after(self, model: nn.Module, state: dict[str, Any]) -> None:
+        keep_as_previous(model, state)
 
 
 class Distillation(Term):
@@ -121,6 +148,86 @@ class Generated(Term):
         with torch.no_grad():
             features = self.generator(noise.to(x.device), labels.to(x.device))
         return self.weight * F.cross_entropy(model.classify(features), labels.to(x.device))
+
+
+class FedGenTerm(Term):
+    def __init__(self, alpha: float, beta: float, generator: nn.Module, labels: torch.Tensor, noise: str,
+                 seed: int) -> None:
+        self.alpha, self.beta, self.generator, self.noise = alpha, beta, _frozen(generator), noise
+        self.labels = labels  # the labels this client holds
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def _generate(self, y: torch.Tensor) -> torch.Tensor:
+        shape = (len(y), self.generator.noise_dim)
+        draw = torch.rand if self.noise == "uniform" else torch.randn
+        eps = draw(shape, generator=self.rng)
+        with torch.no_grad():
+            return self.generator(eps.to(y.device), y)
+
+    def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
+        with torch.no_grad():
+            target = F.softmax(model.head(self._generate(y)), dim=1)
+        latent = F.kl_div(F.log_softmax(logits, dim=1), target, reduction="batchmean")
+        sampled = self.labels[torch.randint(0, len(self.labels), (len(y),), generator=self.rng)].to(y.device)
+        teacher = F.cross_entropy(model.head(self._generate(sampled)), sampled)
+        return self.beta * latent + self.alpha * teacher
+
+
+def complement_labels(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """``size`` labels in proportion to ``max(counts) - counts`` (largest remainders), class-sorted;
+    all classes alike where the histogram is flat."""
+    gap = (counts.max() - counts).double()
+    if float(gap.sum()) == 0:
+        gap = torch.ones_like(gap)
+    share = gap / gap.sum() * size
+    n = share.floor().long()
+    rest = size - int(n.sum())
+    n[torch.argsort(share - n, descending=True, stable=True)[:rest]] += 1
+    return torch.repeat_interleave(torch.arange(len(counts)), n)
+
+
+def js_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence of two softmax distributions, batch mean."""
+    p, q = F.softmax(p_logits, dim=1), F.softmax(q_logits, dim=1)
+    m = ((p + q) / 2).clamp(min=1e-12).log()
+    return (F.kl_div(m, p, reduction="batchmean") + F.kl_div(m, q, reduction="batchmean")) / 2
+
+
+class FedCOGTerm(Term):
+    def __init__(self, settings: dict[str, Any], start: nn.Module, state: dict[str, Any],
+                 context: dict[str, Any]) -> None:
+        device = next(start.parameters()).device
+        self.rng = torch.Generator().manual_seed(int(context["seed"]))
+        self.global_model = _frozen(start)
+        prev = {k[len(PREV_MODEL):]: v for k, v in state.items() if k.startswith(PREV_MODEL)}
+        prev_model = _frozen(start)
+        if prev:
+            prev_model.load_state_dict(prev)
+        counts = torch.as_tensor(context["label_counts"])
+        self.y = complement_labels(counts, int(settings["size"])).to(device)
+        x = torch.randn((len(self.y), *context["shape"]), generator=self.rng).to(device).requires_grad_(True)
+        opt = torch.optim.Adam([x], lr=float(settings["lr"]))
+        for _ in range(int(settings["steps"])):
+            t_out = self.global_model(x)
+            loss = F.cross_entropy(t_out, self.y) + float(settings["adv"]) * (1 - js_divergence(prev_model(x), t_out))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        self.x = x.detach()
+        with torch.no_grad():
+            self.target = F.softmax(self.global_model(self.x), dim=1)
+        n_syn, n = float((counts.max() - counts).sum()), float(counts.sum())
+        kd = float(settings.get("kd_weight", -1.0))
+        self.real, self.syn = (1.0, kd) if kd >= 0 else (n / (n + n_syn), n_syn / (n + n_syn))
+        self.batch = int(context["batch_size"])
+
+    def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
+        idx = torch.randint(0, len(self.x), (min(self.batch, len(self.x)),), generator=self.rng).to(self.x.device)
+        kl = F.kl_div(F.log_softmax(model(self.x[idx]), dim=1), self.target[idx], reduction="batchmean")
+        return (self.real - 1.0) * F.cross_entropy(logits, y) + self.syn * kl
+
+    def after(self, model: nn.Module, state: dict[str, Any]) -> None:
+        keep_as_previous(model, state)
 
 
 def build_terms(spec: dict[str, dict[str, Any]], start: nn.Module, tensors: dict[str, torch.Tensor],
@@ -156,13 +263,29 @@ def build_terms(spec: dict[str, dict[str, Any]], start: nn.Module, tensors: dict
                 terms.append(Generated(float(settings["weight"]), generator.to(next(start.parameters()).device),
                                        int(context["num_samples"]), int(context["batch_size"]),
                                        int(context["epochs"]), int(context["seed"])))
+        elif name == "remember":
+            terms.append(Remember())
+        elif name == "fedcog":
+            terms.append(FedCOGTerm(settings, start, state, context))
+        elif name == "fedgen":
+            from hetfl.models.generator import LatentGenerator
+
+            generator = LatentGenerator(int(settings["noise_dim"]), int(settings["num_classes"]),
+                                        int(settings["hidden"]), int(settings["latent_dim"]))
+            generator.load_state_dict({k[10:]: v for k, v in tensors.items() if k.startswith("generator/")})
+            held = torch.nonzero(torch.as_tensor(context["label_counts"]) > 0).flatten()
+            terms.append(FedGenTerm(float(settings["alpha"]), float(settings["beta"]),
+                                    generator.to(next(start.parameters()).device), held,
+                                    str(settings.get("noise", "normal")), int(context["seed"])))
         else:
-            raise ValueError(f"unknown loss term {name!r}; known: contrastive, generated, kd, proximal")
+            raise ValueError(f"unknown loss term {name!r}; known: contrastive, fedcog, fedgen, generated, kd, "
+                             "proximal, remember")
     return terms
 
 
 def objective(terms: list[Term]) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """Cross-entropy plus ``terms`` as a ``local_train`` loss (None: no terms, plain cross-entropy)."""
+    terms = [t for t in terms if t.adds_loss]
     if not terms:
         return None
     projection = any(t.needs_projection for t in terms)

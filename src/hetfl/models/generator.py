@@ -177,3 +177,19 @@ class FeatureGenerator(nn.Module):
     def forward(self, noise: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         z = torch.cat([noise, self.embed(labels)], dim=1)
         return self.net(z[:, :, None, None])
+
+
+class LatentGenerator(nn.Module):
+    """FedGen's generator (Zhu et al., 2021, the authors' ``Generator``): noise (``noise_dim``) and a
+    one-hot label -> Linear(hidden) -> BatchNorm -> ReLU -> Linear(latent_dim): a representation for a
+    classifier's last layer (``head``; 256-d for ``simplecnn``)."""
+
+    def __init__(self, noise_dim: int, num_classes: int, hidden: int, latent_dim: int) -> None:
+        super().__init__()
+        self.noise_dim, self.num_classes = noise_dim, num_classes
+        self.fc = nn.Sequential(nn.Linear(noise_dim + num_classes, hidden), nn.BatchNorm1d(hidden), nn.ReLU())
+        self.representation = nn.Linear(hidden, latent_dim)
+
+    def forward(self, noise: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        onehot = nn.functional.one_hot(labels, self.num_classes).to(noise.dtype)
+        return self.representation(self.fc(torch.cat([noise, onehot], dim=1)))
