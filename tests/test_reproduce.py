@@ -15,7 +15,7 @@ from hetfl.reproduce.runner import finished, run_grid
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
-@pytest.mark.parametrize("name", ["fedhydra", "fedmho"])
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia"])
 def test_every_cell_of_every_budget_is_a_valid_config(name):
     paper = load_paper(name)
     for budget in paper.budgets:
@@ -44,12 +44,12 @@ def test_unknown_paper_budget_or_setting_fail_with_the_choices(tmp_path, capsys)
     assert "--budget: unknown 'huge'; choose from: reduced-t60-g30, reduced, paper" in capsys.readouterr().err
     assert main(["reproduce", "fedmho", "--settings", "0.7", "--out", str(tmp_path)]) == 2
     assert "--settings: unknown ['0.7']; choose from: 0.5, 0.3, 0.1" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="unknown paper 'nope'; choose one of: fedhydra, fedmho"):
+    with pytest.raises(ConfigError, match="unknown paper 'nope'; choose one of: fedhydra, fedmho, kdia"):
         load_paper("nope")
-    assert {"fedhydra", "fedmho"} <= set(paper_names())
+    assert {"fedhydra", "fedmho", "kdia"} <= set(paper_names())
 
 
-@pytest.mark.parametrize("name", ["fedhydra", "fedmho"])
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia"])
 def test_report_only_regenerates_the_committed_page_byte_for_byte(tmp_path, name):
     paper = load_paper(name)
     out = tmp_path / f"{name}.md"
@@ -58,6 +58,20 @@ def test_report_only_regenerates_the_committed_page_byte_for_byte(tmp_path, name
     for png in tmp_path.glob("*.png"):
         assert png.read_bytes() == (RESULTS / png.name).read_bytes()
     assert len(out.read_text().splitlines()) <= 300
+
+
+def test_kdia_smoke_budget_runs_every_method_and_writes_the_page(tmp_path, capsys):
+    page = tmp_path / "page" / "kdia.md"
+    assert main(["reproduce", "kdia", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),
+                 "--no-cache", "--quiet"]) == 0
+    summary = json.loads((tmp_path / "runs" / "kdia-synthetic-b0.5-s0-smoke" / "summary.json").read_text())
+    assert set(summary["results"]) == {"fedavg", "fedavgm", "fedprox", "moon", "fedgkd", "feddisco", "fedcog", "kdia"}
+    assert summary["config"]["methods"]["fedcog"]["kd_weight"] == 0.01
+    text = page.read_text()
+    assert "## Budget `smoke`" in text and "rounds to FedAvg's best" in text and "teacher >= student" in text
+    cell = cell_config(load_paper("kdia"), "mnist", "0.1", 0, "reduced")  # KDIA's lambda_gen per beta
+    assert cell["methods"]["kdia"]["lambda_gen"] == 0.01 and "lambda_gen" not in cell["methods"]["fedavg"]
+    assert "lambda_gen" not in cell_config(load_paper("kdia"), "mnist", "0.5", 0, "reduced")["methods"]["kdia"]
 
 
 TINY_PAPER = {

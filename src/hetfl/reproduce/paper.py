@@ -15,8 +15,10 @@ from hetfl.config import ConfigError
 
 PAPERS = Path(__file__).with_name("papers")
 KEYS = {"title", "source", "cell_name", "metric", "ours", "paper_method", "baselines", "datasets", "settings", "seeds",
-        "default_budget", "protocol", "config", "methods", "labels", "budgets", "published", "anchors"}
-BUDGET_KEYS = {"about", "methods", "methods_override", "config_override"}  # besides the template's values
+        "default_budget", "protocol", "config", "methods", "labels", "budgets", "published", "anchors",
+        "setting_override", "reference", "orderings"}
+# besides the template's values; datasets / settings / seeds: the budget's default grid
+BUDGET_KEYS = {"about", "methods", "methods_override", "config_override", "datasets", "settings", "seeds"}
 
 
 def paper_names() -> list[str]:
@@ -46,6 +48,10 @@ class Paper:
     def budget_methods(self, budget: str) -> list[str]:
         return list(self.spec["budgets"][budget].get("methods") or self.spec["methods"])
 
+    def budget_grid(self, budget: str, key: str) -> list:
+        """The budget's default datasets, settings or seeds (the paper's where the budget names none)."""
+        return list(self.spec["budgets"][budget].get(key) or self.spec[key])
+
     def published_value(self, dataset: str, method: str, setting: str) -> str | None:
         row = self.spec["published"].get(dataset, {}).get(method)
         if row is None:
@@ -63,6 +69,10 @@ def load_paper(name: str) -> Paper:
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {unknown}; valid: {', '.join(sorted(KEYS))}")
     for budget, values in spec["budgets"].items():
+        extra = sorted(k for k in values if k in BUDGET_KEYS - {"about", "methods", "methods_override",
+                                                                  "config_override"} and not values[k])
+        if extra:
+            raise ConfigError(f"{path}: budgets.{budget}: empty {extra}")
         for method in values.get("methods") or ():
             if method not in spec["methods"]:
                 raise ConfigError(f"{path}: budgets.{budget}.methods: {method!r} is not in methods")
@@ -110,6 +120,10 @@ def cell_config(paper: Paper, dataset: str, setting: str, seed: int, budget: str
     cfg["methods"] = _merge(cfg["methods"], {m: v for m, v in (values.get("methods_override") or {}).items()
                                              if m in chosen})
     cfg = _merge(cfg, {"partition": paper.settings[setting]})
+    # per-setting values (e.g. KDIA's lambda_gen per beta), for the methods this cell runs
+    over = copy.deepcopy((paper.spec.get("setting_override") or {}).get(setting) or {})
+    over["methods"] = {m: v for m, v in (over.get("methods") or {}).items() if m in chosen}
+    cfg = _merge(cfg, over)
     cfg = _merge(cfg, values.get("config_override") or {})
     return {"name": cell_name(paper, dataset, setting, seed, budget), "seed": seed, "dataset": dataset, **cfg}
 

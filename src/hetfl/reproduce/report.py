@@ -51,6 +51,11 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
         curve = _curve(summary, label, folder)
         if len(curve) > 1:
             entry["curve"] = [[s, round(a, 2)] for s, a in curve]
+        if summary.get("config", {}).get("methods", {}).get(label, {}).get("rounds", 1) > 1:  # multi-round
+            entry.update(rounds=r["params"]["rounds"], seconds=round(r["seconds"], 1), bytes_up=r["bytes_up"],
+                         bytes_down=r["bytes_down"])
+            if r.get("models"):
+                entry["models"] = {k: round(v, 2) for k, v in r["models"].items()}
         results[label] = entry
     return {"results": results, "minutes": round(summary.get("minutes") or 0.0, 1),
             "machine": machine(summary.get("environment", {}))}
@@ -138,6 +143,8 @@ def standing(paper: Paper, cells: dict[str, Any], budgets: list[str]) -> list[st
     for dataset, title in paper.datasets.items():
         for setting in paper.settings:
             pub = _published_best_baseline(paper, dataset, setting)
+            if pub is None and not any(_runs(paper, cells, dataset, setting, b) for b in budgets):
+                continue  # neither a published number nor a run: no row
             row = [title, _settings_head(paper, setting), paper.published_value(dataset, paper.paper_method, setting)
                    or "-", f"{pub[1]:.2f} {paper.label(pub[0])}" if pub else "-"]
             for b in budgets:
@@ -163,7 +170,109 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str) -> list[str
     for dataset, title in paper.datasets.items():
         if any(_runs(paper, cells, dataset, s, budget) for s in paper.settings):
             lines += [f"### {title}", "", *_dataset_table(paper, cells, dataset, budget, val), ""]
+            if paper.spec.get("reference"):
+                lines += [*_rounds_table(paper, cells, dataset, budget), ""]
+    if paper.spec.get("orderings"):
+        lines += [*_orderings(paper, cells, budget), ""]
     return lines
+
+
+def _find(run: dict[str, Any], name: str) -> float | None:
+    """A method's final accuracy (``label``), or one of its models' (``label:model``)."""
+    label, _, model = name.partition(":")
+    result = run["results"].get(label)
+    if result is None:
+        return None
+    return result.get("models", {}).get(model) if model else result.get("final")
+
+
+def _reach(curve: list[list[float]], target: float) -> int | None:
+    return next((int(s) for s, a in curve if a >= target), None)
+
+
+def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str) -> list[str]:
+    """Per setting and method: rounds to reach the reference's best, seconds per round, MB up and down, and
+    the final accuracy of each model of a method with several (means over seeds)."""
+    ref = paper.spec["reference"]
+    head = ["setting", "method", f"rounds to {paper.label(ref)}'s best", "s / round", "MB up", "MB down", "models"]
+    lines = [f"Cost and speed ({paper.datasets[dataset]}): rounds until the first evaluation at or above "
+             f"{paper.label(ref)}'s best test accuracy in the same cell (seeds that reached it / run); seconds per "
+             "round (clients and server, on the cell's machine); payload megabytes per cell.", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for setting in paper.settings:
+        runs = _runs(paper, cells, dataset, setting, budget)
+        for label in paper.methods:
+            got = [r for r in runs if "rounds" in r["results"].get(label, {})]
+            if not got:
+                continue
+            reach = [_reach(r["results"][label].get("curve", []), max(a for _, a in r["results"][ref]["curve"]))
+                     for r in got if "curve" in r["results"].get(ref, {})]
+            hits = [x for x in reach if x is not None]
+            mean = {key: statistics.fmean(r["results"][label][key] for r in got)
+                    for key in ("seconds", "bytes_up", "bytes_down")}
+            models = sorted({m for r in got for m in r["results"][label].get("models", {})})
+            row = [_settings_head(paper, setting), paper.label(label),
+                   f"{statistics.fmean(hits):.0f} ({len(hits)}/{len(reach)})" if hits else f"- (0/{len(reach)})",
+                   f"{mean['seconds'] / got[0]['results'][label]['rounds']:.1f}", f"{mean['bytes_up'] / 1e6:.1f}",
+                   f"{mean['bytes_down'] / 1e6:.1f}",
+                   ", ".join(f"{m.split('[')[-1].rstrip(']')} {_mean(_values_of(got, label, m))}" for m in models)
+                   or "-"]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _values_of(runs: list[dict[str, Any]], label: str, model: str) -> list[float]:
+    return [r["results"][label]["models"][model] for r in runs if model in r["results"][label].get("models", {})]
+
+
+def _orderings(paper: Paper, cells: dict[str, Any], budget: str) -> list[str]:
+    """Whether each of the paper's claimed orderings (YAML ``orderings``) holds in this budget's cells, per
+    dataset: ``a >= b`` (means over seeds, per setting), ``margin`` (ours minus the best baseline larger at
+    the first setting than at the second) or ``faster`` (``a`` reaches the reference's best in fewer rounds
+    than the reference itself)."""
+    lines = ["The paper's orderings on these cells (means over seeds; \"-\": not run):", "",
+             "| claim | " + " | ".join(paper.datasets[d] for d in paper.datasets) + " |",
+             "|---" * (len(paper.datasets) + 1) + "|"]
+    for claim in paper.spec["orderings"]:
+        row = [claim["claim"]]
+        for dataset in paper.datasets:
+            row.append(_holds(paper, cells, dataset, budget, claim))
+        if any(v != "-" for v in row[1:]):
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _holds(paper: Paper, cells: dict[str, Any], dataset: str, budget: str, claim: dict[str, Any]) -> str:
+    settings = claim.get("settings") or list(paper.settings)
+    out = []
+    for setting in settings:
+        runs = _runs(paper, cells, dataset, setting, budget)
+        if not runs:
+            continue
+        if claim["kind"] == "compare":
+            a = [v for r in runs if (v := _find(r, claim["a"])) is not None]
+            b = [v for r in runs if (v := _find(r, claim["b"])) is not None]
+            if a and b:
+                x, y = statistics.fmean(a), statistics.fmean(b)
+                out.append(f"{_settings_head(paper, setting)}: {'yes' if x >= y else 'no'} ({x:.2f} vs {y:.2f})")
+        elif claim["kind"] == "faster":
+            ref = paper.spec["reference"]
+            pairs = [(_reach(r["results"][claim["a"]].get("curve", []), max(a for _, a in r["results"][ref]["curve"])),
+                      _reach(r["results"][ref]["curve"], max(a for _, a in r["results"][ref]["curve"])))
+                     for r in runs if claim["a"] in r["results"] and "curve" in r["results"].get(ref, {})]
+            if pairs:
+                ok = sum(1 for a, b in pairs if a is not None and a < b)
+                out.append(f"{_settings_head(paper, setting)}: {ok}/{len(pairs)} seeds")
+    if claim["kind"] == "margin":
+        gaps = []
+        for setting in settings:
+            runs = _runs(paper, cells, dataset, setting, budget)
+            ours, base = _values(runs, paper.ours, "final"), _best_baseline(paper, runs)
+            if ours and base:
+                gaps.append(statistics.fmean(ours) - base[1])
+        if len(gaps) == len(settings) == 2:
+            out.append(f"{'yes' if gaps[0] > max(gaps[1], 0) else 'no'} ({gaps[0]:+.2f} vs {gaps[1]:+.2f})")
+    return "; ".join(out) or "-"
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -230,7 +339,7 @@ def plot_curves(paper: Paper, cells: dict[str, Any], budget: str, path: Path) ->
             ax.set_title(f"{paper.datasets[dataset]}, {_settings_head(paper, setting)}", fontsize=8)
             ax.tick_params(labelsize=7)
             if i == len(rows) - 1:
-                ax.set_xlabel("server epoch", fontsize=7)
+                ax.set_xlabel("round" if paper.spec.get("reference") else "server epoch", fontsize=7)
     handles, labels = axes[0][0].get_legend_handles_labels()
     for ax in axes.flat:
         if len(ax.get_legend_handles_labels()[0]) > len(handles):

@@ -123,7 +123,7 @@ def save_archive(paper: Paper, root: Path, archive: Path) -> int:
 
 def main(args: argparse.Namespace) -> int:
     paper = load_paper(args.paper)
-    budget = args.budget or paper.default_budget
+    budget = "ablation" if getattr(args, "ablation", False) else (args.budget or paper.default_budget)
     if budget not in paper.budgets:
         raise ConfigError(f"--budget: unknown {budget!r}; choose from: {', '.join(paper.budgets)}")
     if args.jobs < 1:
@@ -134,9 +134,12 @@ def main(args: argparse.Namespace) -> int:
     results = Path(args.results or f"docs/results/{paper.name}.md")
     archive = results.with_name(results.stem + ARCHIVE_SUFFIX)
     if not args.report_only:
-        cells = grid(paper, budget, _choices("--datasets", args.datasets, list(paper.datasets)),
-                     _choices("--settings", args.settings, list(paper.settings)),
-                     _seeds(args.seeds, paper.seeds),
+        cells = grid(paper, budget,
+                     _choices("--datasets", args.datasets, list(paper.datasets)) if args.datasets
+                     else paper.budget_grid(budget, "datasets"),
+                     _choices("--settings", args.settings, list(paper.settings)) if args.settings
+                     else paper.budget_grid(budget, "settings"),
+                     _seeds(args.seeds, paper.budget_grid(budget, "seeds")),
                      _choices("--methods", args.methods, paper.budget_methods(budget)) if args.methods else None)
         cache = None if args.no_cache else Path(args.cache_dir)
         failed = run_grid(cells, root, cache, args.data_root, args.device, args.jobs, args.quiet,
@@ -159,6 +162,7 @@ def add_arguments(rep: argparse.ArgumentParser) -> None:
     rep.add_argument("--settings", default=None, help="comma-separated, e.g. 0.5,0.1,2c/c (default: all)")
     rep.add_argument("--seeds", default=None, help="comma-separated (default: the paper's seeds)")
     rep.add_argument("--methods", default=None, help="comma-separated labels (default: the budget's methods)")
+    rep.add_argument("--ablation", action="store_true", help="the paper's ablation budget (where it has one)")
     rep.add_argument("--jobs", type=int, default=1, help="cells run at once (each gets cpus/jobs threads)")
     rep.add_argument("--report-only", action="store_true", help="only rewrite the results page")
     rep.add_argument("--save", action="store_true",
