@@ -240,3 +240,28 @@ def test_fedcog_killed_after_a_round_resumes_to_the_same_bits(tmp_path, tiny_con
     assert resumed["resumed_from_round"] == 2 and resumed["accuracy"] == full["accuracy"]
     assert same_weights(load_file(str(tmp_path / "full" / "fedcog" / "fedcog.safetensors")),
                         load_file(str(tmp_path / "cut" / "fedcog" / "fedcog.safetensors")))
+
+
+def test_a_rejected_kdia_upload_changes_no_count_no_stored_model_and_no_weight(tmp_path, tiny_config, monkeypatch):
+    from hetfl.fl.method import sample_clients
+    from hetfl.fl.payload import PayloadError
+    from hetfl.methods.fedavg import FedAvgRounds
+
+    target = sample_clients(3, 0.67, 2, 0)[0]
+    validate_upload = FedAvgRounds.validate_upload
+
+    def reject(self, cid, message, upload, ctx):  # noqa: ANN001, ANN202
+        if cid == target and message.meta.get("round") == 2:
+            raise PayloadError("scripted rejection")
+        return validate_upload(self, cid, message, upload, ctx)
+
+    monkeypatch.setattr(FedAvgRounds, "validate_upload", reject)
+    cfg = round_config(tiny_config, kdia={**KDIA, "rounds": 2})
+    run(cfg, tmp_path, keep_checkpoints=True)
+    saved = Payload.from_bytes((tmp_path / "kdia" / "checkpoint.safetensors").read_bytes()).tensors
+    sampled = [set(sample_clients(3, 0.67, r, 0)) for r in (1, 2)]
+    expected = [sum(c in s and not (c == target and r == 2) for r, s in enumerate(sampled, 1)) for c in range(3)]
+    assert saved["method.book.participations"].tolist() == expected
+    last = [max([r for r, s in enumerate(sampled, 1) if c in s and not (c == target and r == 2)], default=-1)
+            for c in range(3)]
+    assert saved["method.book.last_round"].tolist() == last
