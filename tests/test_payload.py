@@ -129,3 +129,29 @@ def test_write_replaces_the_file_whole_and_leaves_no_temporary_file(tmp_path):
     back = Payload.from_bytes(path.read_bytes())
     assert back.meta == {"step": 2} and torch.equal(back.tensors["w"], torch.zeros(2))
     assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]
+
+
+def test_the_communication_equations_reproduce_hfldds_table_ii():
+    from hetfl.fl.comm import cost_fedavg, cost_fedseq, cost_hfldd, mebibytes
+
+    w = 44_426  # the unpadded LeNet-5 at 1 x 28 x 28; a reported round r means T = r + 1
+    assert round(mebibytes(cost_hfldd(100, 1000, 10, [400] * 84, 784, 16, w, 6)), 1) == 58.8
+    assert round(mebibytes(cost_fedavg(100, 18, w)), 2) == 593.15
+    assert round(mebibytes(cost_fedavg(100, 21, w)), 1) == 694.8
+    assert round(mebibytes(cost_fedseq(10, 10, w, 2)), 1) == 39.0
+    assert round(mebibytes(cost_fedavg(100, 3, w)), 1) == 84.7  # DynaFed
+
+
+def test_the_ledger_equals_eq_3_for_fedavg_with_a_seeded_start(tmp_path, tiny_config):
+    from hetfl.engine.simulator import Simulator, prepare
+    from hetfl.fl.comm import cost_fedavg
+    from hetfl.methods.checks import validate
+    from hetfl.models import build_model
+
+    tiny_config["client"] = {"model": "simplecnn", "epochs": 1, "batch_size": 32, "lr": 0.05}
+    tiny_config["server"] = {"model": "simplecnn"}
+    tiny_config["methods"] = {"fedavg": {"rounds": 4, "sample_ratio": 1.0}}
+    res = Simulator(prepare(validate(tiny_config)), tmp_path, None, quiet=True).run()["results"]["fedavg"]
+    w = sum(p.numel() for p in build_model("simplecnn", 1, 16, 4).parameters())
+    moved = res["tensor_bytes"]["up"]["model"] + res["tensor_bytes"]["down"]["model"]
+    assert moved * 8 == cost_fedavg(3, 4, w)

@@ -85,3 +85,31 @@ class CommLedger:
         """What ``summary.json`` reports: payload bytes per direction and tensor bytes per kind."""
         return {"bytes_up": self.total("up"), "bytes_down": self.total("down"), "bytes_peer": self.total("peer"),
                 "tensor_bytes": {d: self.tensor_bytes(d) for d in DIRECTIONS if self.tensor_bytes(d)}}
+
+
+# ---- the papers' communication equations (HFLDD, Sec. V-C and VI-A4), in bits ------------------------------
+B1 = 32  # bits per model parameter (and per soft-label value)
+B2 = 8  # bits per pixel of a distilled image (grayscale; 3 x 8 for RGB)
+
+
+def cost_fedavg(clients: int, rounds: int, params: int, b1: int = B1) -> int:
+    """Eq. 3 (FedAvg, FedProx, DynaFed): N (2T - 1) |w| B1; the first download is a seed (free)."""
+    return clients * (2 * rounds - 1) * params * b1
+
+
+def cost_hfldd(clients: int, aux_size: int, classes: int, distilled: list[int], pixels: int, heads: int,
+               params: int, rounds: int, b1: int = B1, b2: int = B2) -> int:
+    """Eq. 18: N |D_g| N_c B1 (soft labels) + sum over the members of |D~_i| x pixels x B2 (distilled images
+    to their heads) + H |w| (2T - 1) B1 (the heads' rounds)."""
+    return (clients * aux_size * classes * b1 + sum(distilled) * pixels * b2
+            + heads * params * (2 * rounds - 1) * b1)
+
+
+def cost_fedseq(clusters: int, per_cluster: int, params: int, rounds: int, b1: int = B1) -> int:
+    """Eq. 19: O |w| B1 ((2T - 1) + T J): the heads' rounds plus the model passed around each ring."""
+    return clusters * params * b1 * ((2 * rounds - 1) + rounds * per_cluster)
+
+
+def mebibytes(bits: int) -> float:
+    """Bits as MiB (the papers' "MB")."""
+    return bits / 8 / 2**20
