@@ -33,6 +33,11 @@ def build(name: str, channels: int = 3, size: int = 32, seed: int = 0) -> HetflM
     return build_model(name, channels, size, NUM_CLASSES)
 
 
+def test_the_unpadded_lenet5_is_hfldds_mnist_cnn() -> None:
+    model = build_model("lenet5_valid", 1, 28, 10)
+    assert sum(p.numel() for p in model.parameters()) == 44_426
+
+
 def test_registry_names() -> None:
     assert list(MODEL_NAMES) == sorted(MODEL_NAMES)
     assert set(MODEL_NAMES) == {
@@ -40,6 +45,7 @@ def test_registry_names() -> None:
         "cnn3",
         "googlenet",
         "lenet5",
+        "lenet5_valid",
         "mobilenetv2",
         "resnet18",
         "shufflenetv2",

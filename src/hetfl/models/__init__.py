@@ -12,7 +12,7 @@ from .base import HetflModel, ModelSpec
 from .cnn import CNN2, CNN3
 from .flops import count_flops, count_parameters
 from .googlenet import GoogLeNet
-from .lenet import LeNet5
+from .lenet import LeNet5, LeNet5Valid
 from .mobilenet import MobileNetV2
 from .resnet import ResNet18
 from .shufflenet import ShuffleNetV2
@@ -26,6 +26,7 @@ _REGISTRY: dict[str, type[HetflModel]] = {
         CNN3,
         GoogLeNet,
         LeNet5,
+        LeNet5Valid,
         MobileNetV2,
         ResNet18,
         ShuffleNetV2,
