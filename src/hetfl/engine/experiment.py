@@ -44,6 +44,7 @@ class Experiment:
     partition: Partition | None  # None on a remote server, which never sees the clients' data
     archs: list[str]
     device: torch.device
+    data_root: str = ""  # where the dataset was read (clients read auxiliary sets there too)
     client_data: list[ImageDataset] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,4 +78,4 @@ def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool
         raise ConfigError(str(err)) from err
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                                num_classes=splits.num_classes) if partitioned else None
-    return Experiment(cfg, splits, partition, client_archs(cfg), device)
+    return Experiment(cfg, splits, partition, client_archs(cfg), device, str(data_root or cfg["data_root"]))

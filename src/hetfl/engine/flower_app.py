@@ -137,7 +137,8 @@ def node_data(context: Context) -> tuple[dict[str, Any], int, ImageDataset]:
 
 def client_env(context: Context, namespace: str) -> ClientEnv:
     cfg, pid, data = node_data(context)
-    return ClientEnv(pid, data, resolve_device(cfg["device"]), state_from_records(context, namespace))
+    return ClientEnv(pid, data, resolve_device(cfg["device"]), state_from_records(context, namespace),
+                     data_root=str(context.node_config.get("data-root", cfg["data_root"])))
 
 
 client_app = ClientApp()

@@ -93,24 +93,25 @@ class ClientExchange:
                  relay: dict[int, int] | None = None) -> tuple[dict[int, Payload], dict[int, str]]:
         """Send ``messages``, collect the uploads, and keep those ``method.validate_upload``
         accepts; returns them and, per other addressed client, why it is left out. Missing and rejected
-        clients are logged and recorded, never fatal here. ``relay`` {receiver: sender}: those messages
-        carry another client's data and count as ``peer``."""
+        clients are logged and recorded, never fatal here. ``relay`` {sender: receiver}: those clients'
+        uploads are data for another client, forwarded by the server, and count once, as ``peer``."""
         failures: dict[int, str] = {}
+        up = {cid: "peer" if relay and cid in relay else "up" for cid in messages}
         for cid, message in messages.items():
-            ledger.add_payload(round_, cid, "peer" if relay and cid in relay else "down", message)
+            ledger.add_payload(round_, cid, "down", message)
         if self.transport is None:
             bar = self.progress(list(messages), desc=desc, unit="client")
             trained = self._train_groups(messages, states, cacheable, bar) if self.batch_clients else {}
             uploads = {}
             for done, cid in enumerate(bar, 1):
                 uploads[cid] = self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar,
-                                            trained.get(cid))
+                                            trained.get(cid), up[cid])
                 if self.on_client is not None:
                     self.on_client(method.name, round_, done, len(messages))
         else:
             uploads, failures = self._remote(round_, messages, cacheable, method.name)
             for cid, upload in uploads.items():
-                ledger.add_payload(round_, cid, "up", upload)
+                ledger.add_payload(round_, cid, up[cid], upload)
         accepted: dict[int, Payload] = {}
         for cid, upload in sorted(uploads.items()):
             try:
@@ -147,7 +148,8 @@ class ClientExchange:
 
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
                 states: dict[int, dict], cacheable: bool, timing: dict[int, float] | None = None,
-                bar: tqdm | None = None, trained: tuple[Payload, float] | None = None) -> Payload:
+                bar: tqdm | None = None, trained: tuple[Payload, float] | None = None,
+                direction: str = "up") -> Payload:
         """One client call through the cache (``trained``: its upload and seconds from a group that
         trained together, :meth:`_train_groups`). Bytes are counted whether or not the upload was
         cached (the transfer would have happened); timing stays out of the payload so that the
@@ -186,7 +188,7 @@ class ClientExchange:
             self.cached_calls += 1
         if timing is not None:
             timing[cid] = seconds
-        ledger.add_payload(round_, cid, "up", upload)
+        ledger.add_payload(round_, cid, direction, upload)
         return upload
 
     def _train_groups(self, messages: dict[int, Payload], states: dict[int, dict], cacheable: bool,
@@ -212,7 +214,8 @@ class ClientExchange:
         return done
 
     def _env(self, cid: int, states: dict[int, dict], bar: tqdm | None = None, label: str = "") -> ClientEnv:
-        env = ClientEnv(cid, self.exp.client_data[cid], self.exp.device, states.setdefault(cid, {}))
+        env = ClientEnv(cid, self.exp.client_data[cid], self.exp.device, states.setdefault(cid, {}),
+                        data_root=self.exp.data_root or self.exp.cfg["data_root"])
         if bar is not None:
             env.progress = lambda epoch, loss: bar.set_postfix(client=label or cid, epoch=epoch, loss=f"{loss:.3f}")
         return env

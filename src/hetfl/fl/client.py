@@ -36,6 +36,7 @@ class ClientEnv:
     progress: Callable[[int, float], None] | None = None  # (epoch, loss) callback for progress bars
     # where a long local training may keep a resumable state (an engine that can key it by the request)
     checkpoint: TrainCheckpoint | None = None
+    data_root: str = "data"  # the client's own dataset folder (auxiliary sets are read there)
 
 
 ClientTask = Callable[[Payload, ClientEnv], Payload]

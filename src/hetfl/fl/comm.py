@@ -3,7 +3,8 @@
 A record is ``(round, client, direction, payload_bytes, kind, tensor_bytes)``:
 
 * ``direction``: ``up`` (client to server), ``down`` (server to client) or ``peer`` (one client's data
-  relayed to another through the server, counted at the receiving client);
+  for another, relayed through the server: counted once, as the sender's upload; the copy the server
+  forwards under ``relayed/`` in the receiver's message is not counted again);
 * ``kind``: what the tensors are (:data:`KINDS`), read from the payload's ``kind`` metadata
   (``model`` where it names none);
 * ``payload_bytes``: the whole wire form (safetensors header and JSON metadata included), what a
@@ -20,9 +21,10 @@ if TYPE_CHECKING:
     from hetfl.fl.payload import Payload
 
 DIRECTIONS = ("up", "down", "peer")
-KINDS = ("model", "logits", "soft_labels", "distilled_data", "raw_data", "state", "generator", "info")
+KINDS = ("model", "logits", "soft_labels", "distilled_data", "labels", "raw_data", "state", "generator", "info")
 
 Record = tuple[int, int, str, int, str, int]
+RELAYED = "relayed/"  # tensor-name prefix of forwarded peer data in a message (counted at its sender)
 
 
 @dataclass
@@ -42,13 +44,18 @@ class CommLedger:
     def add_payload(self, round_: int, client: int, direction: str, payload: Payload) -> None:
         """One payload: its bytes under its ``kind``; tensors whose names start with a prefix in its
         ``tensor_kinds`` metadata (e.g. ``{"generator/": "generator"}``) count as that kind (a record of
-        their own with no payload bytes)."""
+        their own with no payload bytes). Tensors under ``relayed/`` (other clients' data the server
+        forwards, counted once as their senders' ``peer`` uploads) are not counted again."""
         prefixes: dict[str, str] = dict(payload.meta.get("tensor_kinds") or {})
         by_kind: dict[str, int] = {}
+        forwarded = 0
         for name, t in payload.tensors.items():
+            if name.startswith(RELAYED):
+                forwarded += t.numel() * t.element_size()
+                continue
             kind = next((k for p, k in prefixes.items() if name.startswith(p)), payload.kind)
             by_kind[kind] = by_kind.get(kind, 0) + t.numel() * t.element_size()
-        self.add(round_, client, direction, payload.nbytes, payload.kind, by_kind.pop(payload.kind, 0))
+        self.add(round_, client, direction, payload.nbytes - forwarded, payload.kind, by_kind.pop(payload.kind, 0))
         for kind, nbytes in sorted(by_kind.items()):
             self.add(round_, client, direction, 0, kind, nbytes)
 

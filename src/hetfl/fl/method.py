@@ -76,7 +76,8 @@ class ServerContext:
     validate: Callable[[nn.Module], dict[str, Any] | None] = lambda model: None
     record: dict[str, Any] = field(default_factory=dict)
     # exchange(step, {client: message}, relay=None) -> (accepted uploads, {client: why left out});
-    # relay {receiver: sender}: the message carries another client's data (counted as ``peer``)
+    # relay {sender: receiver}: those uploads are data for another client, which the method forwards
+    # under ``relayed/`` in the receiver's next message (counted once, as the sender's ``peer`` upload)
     exchange: Callable[..., tuple[dict[int, Payload], dict[int, str]]] = field(default=_no_engine)
     # every client's sample count and label histogram: {"num_samples": [N], "label_counts": [N x C]}
     client_info: Callable[[], dict[str, list]] = field(default=_no_engine)

@@ -46,10 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hetfl.data import ImageDataset, load_dataset
+from hetfl.data import ImageDataset
+from hetfl.data.auxiliary import AUXILIARY
+from hetfl.data.auxiliary import auxiliary_images as load_auxiliary
 from hetfl.fl.aggregate import Ensemble, vote, weighted_average
 from hetfl.fl.checkpoint import Resumed, StageCheckpoint, load_matching, stop_deferred
 from hetfl.fl.datafree import kl_div
@@ -62,34 +63,9 @@ from hetfl.methods.common import client_models, group_by_arch
 CHECKPOINT_EVERY_S = 120.0  # a student's distillation saves its state this often (and at its end)
 
 
-AUXILIARY = {"mnist": "fmnist", "fmnist": "mnist", "emnist": "mnist", "cifar10": "cifar100",
-             "cifar100": "cifar10", "svhn": "cifar10", "cinic10": "cifar100", "synthetic": "synthetic"}
-
-
-def adapt(images: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-    """uint8 images to the task's (channels, size): resize bilinearly, average or repeat channels."""
-    c, h, w = shape
-    x = images
-    if x.shape[1] != c:  # grey <-> colour: average the channels, repeat to the task's count
-        x = x.float().mean(dim=1, keepdim=True).repeat(1, c, 1, 1)
-    if tuple(x.shape[2:]) != (h, w):
-        x = F.interpolate(x.float(), size=(h, w), mode="bilinear", align_corners=False)
-    return x.round().clamp(0, 255).to(torch.uint8)
-
-
 def auxiliary_images(name: str, ctx: ServerContext, size: int) -> ImageDataset:
-    if name == "synthetic":  # another draw of patterns: same shape, different prototypes
-        c, h, _ = ctx.shape
-        data = load_dataset("synthetic", options={"classes": ctx.num_classes, "channels": c, "size": h,
-                                                  "train_per_class": max(size // ctx.num_classes, 10),
-                                                  "seed": ctx.seed + 1000}).train
-    else:
-        data = load_dataset(name, ctx.data_root).train
-    if size and size < len(data):
-        g = torch.Generator().manual_seed(derive_seed(ctx.seed, "feddf-aux"))
-        data = data.subset(torch.randperm(len(data), generator=g)[:size])
-    x = adapt(data.x, ctx.shape)
-    return ImageDataset(x, torch.zeros(len(x), dtype=torch.long), ctx.num_classes, f"{name} (unlabeled)")
+    return load_auxiliary(name, ctx.data_root, ctx.shape, ctx.num_classes, size, ctx.seed,
+                          derive_seed(ctx.seed, "feddf-aux"))
 
 
 @register("feddf")

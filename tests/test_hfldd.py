@@ -1,0 +1,104 @@
+"""HFLDD: stages as steps, K = 1 equals FedAvg, the ledger follows Eq. 18, resume (tiny synthetic data)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hetfl.fl.comm import cost_fedavg, cost_hfldd
+from hetfl.models import build_model
+from tests.test_rounds import run, same_weights
+
+FAST = {"rounds": 2, "aux_size": 40, "pretrain_epochs": 1, "distilled_size": 6, "kip_steps": 3, "head_epochs": 1,
+        "head_batch_size": 16}
+
+
+def config(tiny_config: dict, clients: int = 6, **methods: dict) -> dict:
+    cfg = copy.deepcopy(tiny_config)
+    cfg["clients"] = clients
+    cfg["partition"] = {"kind": "classes", "per_client": 1}
+    cfg["client"] = {"model": "simplecnn", "epochs": 1, "batch_size": 16, "lr": 0.05}
+    cfg["server"] = {"model": "simplecnn"}
+    cfg["methods"] = methods
+    return cfg
+
+
+def test_one_cluster_gives_singletons_no_peer_bytes_and_equals_fedavg(tmp_path, tiny_config):
+    cfg = config(tiny_config, hfldd={**FAST, "clusters": 1}, fedavg={"rounds": 2, "sample_ratio": 1.0})
+    res = run(cfg, tmp_path)["results"]
+    assert res["hfldd"]["clusters"]["heterogeneous"] == 6 and res["hfldd"]["bytes_peer"] == 0
+    assert same_weights(load_file(str(tmp_path / "fedavg" / "fedavg.safetensors")),
+                        load_file(str(tmp_path / "hfldd" / "hfldd.safetensors")))
+
+
+def test_clusters_take_one_client_per_class_and_the_ledger_follows_eq_18(tmp_path, tiny_config):
+    cfg = config(tiny_config, clients=8, hfldd={**FAST, "clusters": 4})
+    res = run(cfg, tmp_path)["results"]["hfldd"]
+    clusters = res["clusters"]
+    assert clusters["homogeneous"] == 4 and sum(clusters["sizes"]) == 8
+    heads = clusters["heterogeneous"]
+    members = 8 - heads
+    w = sum(p.numel() for p in build_model("simplecnn", 1, 16, 4).parameters())
+    tb = res["tensor_bytes"]
+    expected = cost_hfldd(8, 40, 4, [6] * members, 16 * 16, heads, w, 2)
+    got = 8 * (tb["up"]["soft_labels"] + tb["peer"]["distilled_data"] + tb["up"]["model"] + tb["down"]["model"])
+    assert got == expected
+    assert tb["peer"]["labels"] == members * 6 * 8  # int64 labels, counted apart
+    assert res["bytes_peer"] > 0 and cost_fedavg(heads, 2, w) == 8 * (tb["up"]["model"] + tb["down"]["model"])
+    rows = [json.loads(r) for r in (tmp_path / "hfldd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, -1]
+
+
+def test_without_distillation_members_send_raw_data(tmp_path, tiny_config):
+    cfg = config(tiny_config, clients=8, hfldd_nodd={**FAST, "clusters": 4})
+    res = run(cfg, tmp_path)["results"]["hfldd_nodd"]
+    assert res["method"] == "hfldd" and res["tensor_bytes"]["peer"]["raw_data"] > 0
+
+
+def test_hfldd_killed_after_a_stage_resumes_to_the_same_end(tmp_path, tiny_config, monkeypatch):
+    from hetfl.methods.hfldd import HFLDD
+
+    cfg = config(tiny_config, clients=8, hfldd={**FAST, "clusters": 4})
+    full = run(copy.deepcopy(cfg), tmp_path / "full")["results"]["hfldd"]
+    original = HFLDD.train_round
+
+    def stop(self, step, ctx):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HFLDD, "train_round", stop)
+    with pytest.raises(KeyboardInterrupt):
+        run(copy.deepcopy(cfg), tmp_path / "cut")  # after the clustering and distillation steps
+    monkeypatch.setattr(HFLDD, "train_round", original)
+    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["hfldd"]
+    assert resumed["resumed_from_round"] == 2
+    assert resumed["accuracy"] == full["accuracy"] and resumed["tensor_bytes"] == full["tensor_bytes"]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"clusters": 0}, "methods.hfldd.clusters"),
+    ({"kernel": "poly"}, "methods.hfldd.kernel"),
+    ({"kip_lr": 0}, "methods.hfldd.kip_lr"),
+    ({"clusters": 9}, "clusters: K = 9 is more than the 8 clients"),
+    ({"sample_ratio": 0.5}, "sample_ratio must be 1"),
+])
+def test_bad_hfldd_settings_fail_before_training(tmp_path, tiny_config, change, message):
+    cfg = config(tiny_config, clients=8, hfldd={**FAST, **change})
+    with pytest.raises((ValueError,), match=message.replace(".", r"\.")):
+        run(cfg, tmp_path)
+
+
+def test_kip_distilled_sets_are_class_balanced_uint8(tmp_path, tiny_config):
+    from hetfl.data.synthetic import load_synthetic
+    from hetfl.fl.client import ClientEnv, handle
+    from hetfl.fl.payload import Payload
+
+    data = load_synthetic(classes=2, channels=1, size=8, train_per_class=10, test_per_class=2, seed=0).train
+    message = Payload({}, {"task": "share_data", "raw": False, "num_classes": 2, "size": 6, "steps": 2, "lr": 0.004,
+                           "lambda": 1e-6, "kernel": "ntk", "target_batch": 4, "seed": 3})
+    upload = handle(message, ClientEnv(0, data, torch.device("cpu")))
+    assert upload.tensors["x"].dtype == torch.uint8 and upload.tensors["x"].shape == (6, 1, 8, 8)
+    assert torch.bincount(upload.tensors["y"]).tolist() == [3, 3]
