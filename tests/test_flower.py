@@ -214,14 +214,17 @@ def test_fake_grid_kdia_and_its_baselines_equal_the_simulator(tmp_path: Path, ta
     assert flower["results"]["kdia"]["models"] == pytest.approx(sim["results"]["kdia"]["models"], abs=1e-6)
 
 
-def test_fake_grid_hfldd_books_the_same_bytes_as_the_simulator(tmp_path: Path, task_identity: None) -> None:
+def test_fake_grid_hfldd_and_fedseq_book_the_same_bytes_as_the_simulator(tmp_path: Path,
+                                                                          task_identity: None) -> None:
     fast = {"rounds": 2, "aux_size": 20, "pretrain_epochs": 1, "distilled_size": 4, "kip_steps": 2,
             "head_epochs": 1, "clusters": 2}
-    cfg = config(methods={"hfldd": fast}, clients=4, partition={"kind": "classes", "per_client": 1})
+    cfg = config(methods={"hfldd": fast, "fedseq": {"rounds": 2, "clusters": 2}}, clients=4,
+                 partition={"kind": "classes", "per_client": 1})
     flower, sim = serve(cfg, tmp_path / "fl"), simulate(cfg, tmp_path / "sim")
     assert_same_results(flower, sim)
-    assert flower["results"]["hfldd"]["tensor_bytes"] == sim["results"]["hfldd"]["tensor_bytes"]
-    assert flower["results"]["hfldd"]["bytes_peer"] == sim["results"]["hfldd"]["bytes_peer"] > 0
+    for name in ("hfldd", "fedseq"):
+        assert flower["results"][name]["tensor_bytes"] == sim["results"][name]["tensor_bytes"]
+        assert flower["results"][name]["bytes_peer"] == sim["results"][name]["bytes_peer"] > 0
 
 
 def _corrupt(kind: str) -> Callable[[Payload], Payload]:

@@ -102,3 +102,24 @@ def test_kip_distilled_sets_are_class_balanced_uint8(tmp_path, tiny_config):
     upload = handle(message, ClientEnv(0, data, torch.device("cpu")))
     assert upload.tensors["x"].dtype == torch.uint8 and upload.tensors["x"].shape == (6, 1, 8, 8)
     assert torch.bincount(upload.tensors["y"]).tolist() == [3, 3]
+
+
+# ---- FedSeq (Chen et al., HFLDD's Eq. 19) ------------------------------------------------------------
+def test_fedseq_passes_the_model_around_rings_and_books_eq_19(tmp_path, tiny_config):
+    from hetfl.fl.comm import cost_fedseq
+
+    cfg = config(tiny_config, clients=6, fedseq={"rounds": 2, "clusters": 2})
+    res = run(cfg, tmp_path)["results"]["fedseq"]
+    rings = res["rings"]
+    assert sorted(c for r in rings for c in r) == list(range(6)) and all(len(r) == 3 for r in rings)
+    w = sum(p.numel() for p in build_model("simplecnn", 1, 16, 4).parameters())
+    tb = res["tensor_bytes"]
+    moved = tb["up"]["model"] + tb["down"]["model"] + tb["peer"]["model"]
+    assert moved * 8 == cost_fedseq(2, 3, w, 2)
+    assert 0 < res["accuracy"] <= 100
+
+
+def test_fedseq_needs_equal_rings(tmp_path, tiny_config):
+    cfg = config(tiny_config, clients=6, fedseq={"rounds": 2, "clusters": 4})
+    with pytest.raises(ValueError, match="6 clients do not split into 4 rings"):
+        run(cfg, tmp_path)

@@ -114,12 +114,15 @@ def handle_group(messages: list[Payload], envs: list[ClientEnv]) -> list[Payload
 
 
 def model_from_message(message: Payload) -> torch.nn.Module:
-    """Build the classifier a message describes; load its tensors if it carries weights,
+    """Build the classifier a message describes; load its tensors if it carries weights (those without a
+    ``name/`` prefix, or those under ``meta["weights_under"]``, e.g. a model forwarded under ``relayed/``),
     otherwise initialise from ``init_seed``."""
     m = message.meta
     torch.manual_seed(int(m["init_seed"]))
     model = build_model(m["arch"], int(m["in_channels"]), int(m["image_size"]), int(m["num_classes"]))
-    weights = {k: v for k, v in message.tensors.items() if "/" not in k}  # "name/...": other models sent
+    prefix = m.get("weights_under")
+    weights = ({k[len(prefix):]: v for k, v in message.tensors.items() if k.startswith(prefix)} if prefix
+               else {k: v for k, v in message.tensors.items() if "/" not in k})  # "name/...": other models sent
     if weights:
         model.load_state_dict(weights)
     return model

@@ -21,6 +21,7 @@ from hetfl.methods import (  # noqa: F401
     fedhydra,
     fedmho,
     fedprox,
+    fedseq,
     hfldd,
     kdia,
     moon,
