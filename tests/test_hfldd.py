@@ -123,3 +123,53 @@ def test_fedseq_needs_equal_rings(tmp_path, tiny_config):
     cfg = config(tiny_config, clients=6, fedseq={"rounds": 2, "clusters": 4})
     with pytest.raises(ValueError, match="6 clients do not split into 4 rings"):
         run(cfg, tmp_path)
+
+
+# ---- DynaFed -----------------------------------------------------------------------------------------
+def test_trajectory_matching_lowers_its_loss():
+    from hetfl.methods.dynafed import match_trajectory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    x, y = torch.rand(30, 1, 4, 4), torch.randint(0, 3, (30,))
+    trajectory = [{k: v.detach().clone() for k, v in model.named_parameters()}]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(4):  # an expert trajectory on real data
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        trajectory.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    images = torch.rand(6, 1, 4, 4).requires_grad_(True)
+    labels = (torch.eye(3).repeat_interleave(2, 0) * 5).requires_grad_(True)
+    lr = torch.tensor(0.5).log().requires_grad_(True)
+    g = torch.Generator().manual_seed(0)
+    first = match_trajectory(model, trajectory, images, labels, lr, 1, 5, 2, 0.05, g)
+    last = match_trajectory(model, trajectory, images, labels, lr, 60, 5, 2, 0.05, g)
+    assert last < first
+
+
+def test_dynafed_equals_fedavg_until_its_synthesis_then_fine_tunes_and_resumes(tmp_path, tiny_config, monkeypatch):
+    fast = {"rounds": 4, "sample_ratio": 1.0, "trajectory_rounds": 2, "expert_epochs": 1, "ipc": 2,
+            "syn_iterations": 3, "syn_steps": 2, "distill_iter": 2}
+    cfg = config(tiny_config, dynafed=fast, fedavg={"rounds": 4, "sample_ratio": 1.0})
+    res = run(copy.deepcopy(cfg), tmp_path / "full")["results"]
+    rows = {m: [json.loads(r)["accuracy"] for r in (tmp_path / "full" / m / "metrics.jsonl").read_text().splitlines()]
+            for m in ("fedavg", "dynafed")}
+    assert rows["dynafed"][:1] == rows["fedavg"][:1]  # round 1: plain FedAvg
+    assert "matching_loss" in res["dynafed"] and res["dynafed"]["bytes_up"] == res["fedavg"]["bytes_up"]
+    from hetfl.methods.dynafed import DynaFed
+
+    original, calls = DynaFed.aggregate, []
+
+    def crash_in_round_4(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
+        calls.append(round_)
+        if round_ == 4 and len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    monkeypatch.setattr(DynaFed, "aggregate", crash_in_round_4)
+    only = {**cfg, "methods": {"dynafed": fast}}
+    with pytest.raises(KeyboardInterrupt):
+        run(copy.deepcopy(only), tmp_path / "cut")
+    resumed = run(copy.deepcopy(only), tmp_path / "cut")["results"]["dynafed"]
+    assert resumed["resumed_from_round"] == 3 and resumed["accuracy"] == res["dynafed"]["accuracy"]

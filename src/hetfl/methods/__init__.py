@@ -9,6 +9,7 @@ from hetfl.methods import (  # noqa: F401
     central,
     coboosting,
     dense,
+    dynafed,
     ensemble,
     fedavg,
     fedavgm,
