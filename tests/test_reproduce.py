@@ -15,7 +15,7 @@ from hetfl.reproduce.runner import finished, run_grid
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
-@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia"])
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd"])
 def test_every_cell_of_every_budget_is_a_valid_config(name):
     paper = load_paper(name)
     for budget in paper.budgets:
@@ -44,7 +44,7 @@ def test_unknown_paper_budget_or_setting_fail_with_the_choices(tmp_path, capsys)
     assert "--budget: unknown 'huge'; choose from: reduced-t60-g30, reduced, paper" in capsys.readouterr().err
     assert main(["reproduce", "fedmho", "--settings", "0.7", "--out", str(tmp_path)]) == 2
     assert "--settings: unknown ['0.7']; choose from: 0.5, 0.3, 0.1" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="unknown paper 'nope'; choose one of: fedhydra, fedmho, kdia"):
+    with pytest.raises(ConfigError, match="unknown paper 'nope'; choose one of: fedhydra, fedmho, hfldd, kdia"):
         load_paper("nope")
     assert {"fedhydra", "fedmho", "kdia"} <= set(paper_names())
 
@@ -72,6 +72,17 @@ def test_kdia_smoke_budget_runs_every_method_and_writes_the_page(tmp_path, capsy
     cell = cell_config(load_paper("kdia"), "mnist", "0.1", 0, "reduced")  # KDIA's lambda_gen per beta
     assert cell["methods"]["kdia"]["lambda_gen"] == 0.01 and "lambda_gen" not in cell["methods"]["fedavg"]
     assert "lambda_gen" not in cell_config(load_paper("kdia"), "mnist", "0.5", 0, "reduced")["methods"]["kdia"]
+
+
+def test_hfldd_smoke_budget_runs_every_method(tmp_path):
+    page = tmp_path / "page" / "hfldd.md"
+    assert main(["reproduce", "hfldd", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),
+                 "--no-cache", "--quiet"]) == 0
+    summary = json.loads((tmp_path / "runs" / "hfldd-synthetic-c2-s0-smoke" / "summary.json").read_text())
+    results = summary["results"]
+    assert set(results) == {"hfldd", "hfldd_nodd", "fedavg", "fedprox", "fedseq", "dynafed", "central"}
+    assert results["hfldd"]["bytes_peer"] > 0 and results["fedavg"]["bytes_peer"] == 0
+    assert "| C=2 | HFLDD |" in page.read_text()
 
 
 TINY_PAPER = {

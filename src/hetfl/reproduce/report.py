@@ -53,7 +53,7 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
             entry["curve"] = [[s, round(a, 2)] for s, a in curve]
         if summary.get("config", {}).get("methods", {}).get(label, {}).get("rounds", 1) > 1:  # multi-round
             entry.update(rounds=r["params"]["rounds"], seconds=round(r["seconds"], 1), bytes_up=r["bytes_up"],
-                         bytes_down=r["bytes_down"])
+                         bytes_down=r["bytes_down"], bytes_peer=r.get("bytes_peer", 0))
             if r.get("models"):
                 entry["models"] = {k: round(v, 2) for k, v in r["models"].items()}
         results[label] = entry
@@ -89,7 +89,7 @@ def _number(text: str | None) -> float | None:
 
 
 def _settings_head(paper: Paper, setting: str) -> str:
-    return setting if setting == "2c/c" else f"α={setting}"
+    return setting if setting == "2c/c" else paper.spec.get("setting_format", "α={}").format(setting)
 
 
 def _dataset_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str, val: bool) -> list[str]:
@@ -194,7 +194,8 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
     """Per setting and method: rounds to reach the reference's best, seconds per round, MB up and down, and
     the final accuracy of each model of a method with several (means over seeds)."""
     ref = paper.spec["reference"]
-    head = ["setting", "method", f"rounds to {paper.label(ref)}'s best", "s / round", "MB up", "MB down", "models"]
+    head = ["setting", "method", f"rounds to {paper.label(ref)}'s best", "s / round", "MB up", "MB down", "MB peer",
+            "models"]
     lines = [f"Cost and speed ({paper.datasets[dataset]}): rounds until the first evaluation at or above "
              f"{paper.label(ref)}'s best test accuracy in the same cell (seeds that reached it / run); seconds per "
              "round (clients and server, on the cell's machine); payload megabytes per cell.", "",
@@ -208,13 +209,13 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
             reach = [_reach(r["results"][label].get("curve", []), max(a for _, a in r["results"][ref]["curve"]))
                      for r in got if "curve" in r["results"].get(ref, {})]
             hits = [x for x in reach if x is not None]
-            mean = {key: statistics.fmean(r["results"][label][key] for r in got)
-                    for key in ("seconds", "bytes_up", "bytes_down")}
+            mean = {key: statistics.fmean(r["results"][label].get(key, 0) for r in got)
+                    for key in ("seconds", "bytes_up", "bytes_down", "bytes_peer")}
             models = sorted({m for r in got for m in r["results"][label].get("models", {})})
             row = [_settings_head(paper, setting), paper.label(label),
                    f"{statistics.fmean(hits):.0f} ({len(hits)}/{len(reach)})" if hits else f"- (0/{len(reach)})",
                    f"{mean['seconds'] / got[0]['results'][label]['rounds']:.1f}", f"{mean['bytes_up'] / 1e6:.1f}",
-                   f"{mean['bytes_down'] / 1e6:.1f}",
+                   f"{mean['bytes_down'] / 1e6:.1f}", f"{mean['bytes_peer'] / 1e6:.1f}",
                    ", ".join(f"{m.split('[')[-1].rstrip(']')} {_mean(_values_of(got, label, m))}" for m in models)
                    or "-"]
             lines.append("| " + " | ".join(row) + " |")
