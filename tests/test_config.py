@@ -39,7 +39,7 @@ def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
         ("partition.beta=1", "does not take"),
         ("methods.fedavg.mu=1", "methods.fedavg.mu: unknown key; valid: init, rounds, sample_ratio"),
         ("methods.fedavg.rounds=0", "rounds must be a positive integer"),
-        ("methods.nope={}", "unknown method 'nope'; choose one of: central, coboosting, dense, ensemble"),
+        ("methods.nope={}", "unknown method 'nope'; choose one of: central, coboosting, dense, dynafed, ensemble"),
         ("clients=0", "clients: 0: must be >= 1"),
         ("client.lr=-1", "client.lr: -1: must be > 0"),
         ("client.precision=fp8", "client.precision: 'fp8': must be one of 'fp32' or 'bf16'"),
