@@ -173,3 +173,14 @@ def test_dynafed_equals_fedavg_until_its_synthesis_then_fine_tunes_and_resumes(t
         run(copy.deepcopy(only), tmp_path / "cut")
     resumed = run(copy.deepcopy(only), tmp_path / "cut")["results"]["dynafed"]
     assert resumed["resumed_from_round"] == 3 and resumed["accuracy"] == res["dynafed"]["accuracy"]
+
+
+def test_on_a_one_class_partition_soft_labels_cluster_clients_by_class(tmp_path, tiny_config):
+    from sklearn.metrics import adjusted_rand_score
+
+    cfg = config(tiny_config, clients=8, hfldd={**FAST, "clusters": 4, "pretrain_epochs": 3, "rounds": 1})
+    res = run(cfg, tmp_path)["results"]["hfldd"]
+    labels = res["clusters"]["homogeneous_labels"]
+    part = json.loads((tmp_path / "partition.json").read_text())
+    classes = [max(range(4), key=lambda c: row[c]) for row in part["counts"]]
+    assert adjusted_rand_score(classes, [labels[str(c)] for c in range(8)]) == 1.0

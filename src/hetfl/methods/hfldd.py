@@ -173,6 +173,8 @@ class HFLDD(RoundMethod):
             self.assign[[ids[i] for i in members]] = h
             self.is_head[ids[head]] = True
         ctx.record["clusters"] = {"homogeneous": k, "heterogeneous": len(clusters),
+                                  "homogeneous_labels": {str(c): int(lab) for c, lab in zip(ids, labels)},
+                                  "heads": sorted(ids[h] for h in heads),
                                   "sizes": [len(m) for m in clusters], "left_out": sorted(set(range(ctx.num_clients))
                                                                                            - set(ids))}
 
