@@ -94,13 +94,15 @@ def _settings_head(paper: Paper, setting: str) -> str:
 
 def _dataset_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str, val: bool) -> list[str]:
     cols = ["final", *(["val"] if val else []), "test-best", "paper"]
-    head = ["method"] + [f"{_settings_head(paper, s)} {c}" for s in paper.settings for c in cols]
+    settings = [s for s in paper.settings if _runs(paper, cells, dataset, s, budget)  # run here or published
+                or any(paper.published_value(dataset, m, s) for m in paper.methods)]
+    head = ["method"] + [f"{_settings_head(paper, s)} {c}" for s in settings for c in cols]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    labels = [m for m in paper.methods if any(m in r["results"] for s in paper.settings
+    labels = [m for m in paper.methods if any(m in r["results"] for s in settings
                                               for r in _runs(paper, cells, dataset, s, budget))]
     for label in labels:
         row = [paper.label(label)]
-        for setting in paper.settings:
+        for setting in settings:
             runs = _runs(paper, cells, dataset, setting, budget)
             final = _values(runs, label, "final")
             row.append(f"{statistics.fmean(final):.2f} (n={len(final)})" if final else "not run")
@@ -240,7 +242,7 @@ def _orderings(paper: Paper, cells: dict[str, Any], budget: str) -> list[str]:
             row.append(_holds(paper, cells, dataset, budget, claim))
         if any(v != "-" for v in row[1:]):
             lines.append("| " + " | ".join(row) + " |")
-    return lines
+    return lines if len(lines) > 4 else []
 
 
 def _holds(paper: Paper, cells: dict[str, Any], dataset: str, budget: str, claim: dict[str, Any]) -> str:
