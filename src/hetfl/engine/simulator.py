@@ -1,11 +1,12 @@
-"""In-process simulator: drives every method's clients and server on one machine.
+"""In-process simulator: runs every method of a config on one machine.
 
-For each method in a config it builds a :class:`ServerContext`, sends each (sampled) client the
-method's message through the :class:`~hetfl.engine.uploads.ClientExchange` (the upload cache, or a
-transport), evaluates on the official test split and writes ``DIR/<method>/`` (models, metrics,
-communication) and ``DIR/summary.json`` (with the machine's :mod:`~hetfl.engine.environment`). A
-multi-round method is checkpointed after every round and resumes from there when the same config is
-run again into the same folder. The experiment itself (config, data, partition, device) comes from
+For each method it builds a :class:`ServerContext` and binds what the engine lends (``exchange``
+through the :class:`~hetfl.engine.uploads.ClientExchange`, i.e. the upload cache or a transport;
+``client_info``; the round driver ``rounds`` / ``end_round``), calls ``method.run(ctx)``, evaluates
+on the official test split and writes ``DIR/<method>/`` (models, metrics, communication) and
+``DIR/summary.json`` (with the machine's :mod:`~hetfl.engine.environment`). A multi-round method is
+checkpointed after every round (one atomic file) and resumes from there when the same config is run
+again into the same folder. The experiment itself (config, data, partition, device) comes from
 :func:`hetfl.engine.experiment.prepare`, importable from here too.
 """
 
