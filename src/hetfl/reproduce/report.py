@@ -323,8 +323,11 @@ def plot_curves(paper: Paper, cells: dict[str, Any], budget: str, path: Path) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, cols = list(paper.datasets), list(paper.settings)
-    fig, axes = plt.subplots(len(rows), len(cols), figsize=(2.6 * len(cols), 2.2 * len(rows)), squeeze=False,
+    ran = {(d, s) for d in paper.datasets for s in paper.settings if _runs(paper, cells, d, s, budget)}
+    rows = [d for d in paper.datasets if any((d, s) in ran for s in paper.settings)] or list(paper.datasets)
+    cols = [s for s in paper.settings if any((d, s) in ran for d in rows)] or list(paper.settings)
+    height = 2.2 * len(rows) + 0.7  # 0.7 in for the legend below the panels
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(max(2.6 * len(cols), 5.2), height), squeeze=False,
                              sharey=True)
     drawn = False
     for i, dataset in enumerate(rows):
@@ -348,7 +351,7 @@ def plot_curves(paper: Paper, cells: dict[str, Any], budget: str, path: Path) ->
         if len(ax.get_legend_handles_labels()[0]) > len(handles):
             handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.7 / height, 1, 1))
     if drawn:
         _save(fig, path)
     plt.close(fig)
