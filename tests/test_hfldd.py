@@ -51,6 +51,7 @@ def test_clusters_take_one_client_per_class_and_the_ledger_follows_eq_18(tmp_pat
     assert res["bytes_peer"] > 0 and cost_fedavg(heads, 2, w) == 8 * (tb["up"]["model"] + tb["down"]["model"])
     rows = [json.loads(r) for r in (tmp_path / "hfldd" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, -1]
+    assert (tmp_path / "hfldd" / "clusters.png").is_file()  # Fig. 4: the clusters' class make-up
 
 
 def test_without_distillation_members_send_raw_data(tmp_path, tiny_config):

@@ -9,6 +9,7 @@ The method's steps are numbered like rounds (so each is checkpointed and resumed
   root (kind ``soft_labels``). The server builds M_ij = KL(S_i || S_j) (Eq. 4), K-Means with ``clusters``
   (K, 10) homogeneous clusters, and ClusterSampling (Alg. 1) heterogeneous clusters of one client of each,
   with one random head each (:mod:`hetfl.fl.clustering`). A client without an accepted upload is left out.
+  ``clusters.png`` (Fig. 4) shows each heterogeneous cluster's samples by class.
 * **Step 2, distillation**: every member (non-head) distils ``distilled_size`` (400) images of its data
   with KIP (:mod:`hetfl.fl.kip`: ``kip_steps`` 3,000, ``kip_lr`` 0.004, ``kip_lambda`` 1e-6, ``kernel``
   ntk, 10 target samples per step) and sends them, uint8 (8 bits a pixel) with their labels, to its head
@@ -95,6 +96,30 @@ def head_train(message: Payload, env: ClientEnv) -> Payload:
     return state_payload(model.cpu(), arch=message.meta["arch"], train_loss=stats["loss"], trained_samples=len(data))
 
 
+def plot_clusters(groups: list[list[int]], label_counts: dict[int, list[int]], path: Any) -> None:
+    """HFLDD's Fig. 4: per heterogeneous cluster, its samples stacked by class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = len(next(iter(label_counts.values())))
+    counts = torch.tensor([[sum(label_counts[c][j] for c in group) for j in range(classes)] for group in groups],
+                          dtype=torch.float64)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(groups) + 1.5), 3.0))
+    bottom = torch.zeros(len(groups), dtype=torch.float64)
+    for j in range(counts.shape[1]):
+        ax.bar(range(len(groups)), counts[:, j].tolist(), bottom=bottom.tolist(), label=str(j), width=0.8)
+        bottom += counts[:, j]
+    ax.set_xticks(range(len(groups)))
+    ax.set_xlabel("heterogeneous cluster")
+    ax.set_ylabel("samples")
+    ax.legend(title="class", fontsize=6, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+
+
 # ---- server ----------------------------------------------------------------------------------------
 @register("hfldd")
 class HFLDD(RoundMethod):
@@ -172,6 +197,9 @@ class HFLDD(RoundMethod):
         for h, (members, head) in enumerate(zip(clusters, heads)):
             self.assign[[ids[i] for i in members]] = h
             self.is_head[ids[head]] = True
+        groups = [[ids[i] for i in members] for members in clusters]
+        histograms = {c: uploads[c].meta.get("label_counts", [0] * ctx.num_classes) for c in ids}
+        plot_clusters(groups, histograms, ctx.out_dir / "clusters.png")
         ctx.record["clusters"] = {"homogeneous": k, "heterogeneous": len(clusters),
                                   "homogeneous_labels": {str(c): int(lab) for c, lab in zip(ids, labels)},
                                   "heads": sorted(ids[h] for h in heads),
