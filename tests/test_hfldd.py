@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from hetfl.fl.comm import cost_fedavg, cost_hfldd
 from hetfl.models import build_model
-from tests.test_rounds import run, same_weights
+from tests.test_rounds import assert_interrupted_run_resumes, run, same_weights
 
 FAST = {"rounds": 2, "aux_size": 40, "pretrain_epochs": 1, "distilled_size": 6, "kip_steps": 3, "head_epochs": 1,
         "head_batch_size": 16}
@@ -160,20 +160,7 @@ def test_dynafed_equals_fedavg_until_its_synthesis_then_fine_tunes_and_resumes(t
     assert "matching_loss" in res["dynafed"] and res["dynafed"]["bytes_up"] == res["fedavg"]["bytes_up"]
     from hetfl.methods.dynafed import DynaFed
 
-    original, calls = DynaFed.aggregate, []
-
-    def crash_in_round_4(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
-        calls.append(round_)
-        if round_ == 4 and len(calls) == 4:
-            raise KeyboardInterrupt
-        return original(self, round_, uploads, ctx)
-
-    monkeypatch.setattr(DynaFed, "aggregate", crash_in_round_4)
-    only = {**cfg, "methods": {"dynafed": fast}}
-    with pytest.raises(KeyboardInterrupt):
-        run(copy.deepcopy(only), tmp_path / "cut")
-    resumed = run(copy.deepcopy(only), tmp_path / "cut")["results"]["dynafed"]
-    assert resumed["resumed_from_round"] == 3 and resumed["accuracy"] == res["dynafed"]["accuracy"]
+    assert_interrupted_run_resumes(cfg, "dynafed", DynaFed, 4, tmp_path / "resume", monkeypatch)
 
 
 def test_on_a_one_class_partition_soft_labels_cluster_clients_by_class(tmp_path, tiny_config):

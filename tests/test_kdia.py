@@ -13,7 +13,7 @@ from hetfl.config import ConfigError
 from hetfl.fl.clientbook import ClientBook
 from hetfl.fl.payload import Payload
 from hetfl.methods.kdia import tri_freqs
-from tests.test_rounds import ROUNDS, round_config, run, same_weights, started
+from tests.test_rounds import ROUNDS, assert_interrupted_run_resumes, round_config, run, same_weights, started
 
 KDIA = {"rounds": 3, "sample_ratio": 0.67, "gen_epochs": 1, "gen_batches": 4, "gen_batch_size": 16}
 
@@ -85,28 +85,9 @@ def test_kdia_bad_settings_fail_before_training(tmp_path, tiny_config, change, k
 def test_kdia_killed_after_a_round_resumes_to_the_same_bits(tmp_path, tiny_config, monkeypatch):
     from hetfl.methods.kdia import KDIA as Method
 
-    cfg = round_config(tiny_config, kdia=dict(KDIA))
-    full = run(copy.deepcopy(cfg), tmp_path / "full")["results"]["kdia"]
-    original, calls = Method.aggregate, []
-
-    def crash_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
-        calls.append(round_)
-        if round_ == 3 and len(calls) == 3:
-            raise KeyboardInterrupt
-        return original(self, round_, uploads, ctx)
-
-    monkeypatch.setattr(Method, "aggregate", crash_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(copy.deepcopy(cfg), tmp_path / "cut")
-    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["kdia"]
-    assert resumed["resumed_from_round"] == 2
-    for name in ("kdia_student", "kdia_teacher"):  # the generator and its Adam state resumed too
-        assert same_weights(load_file(str(tmp_path / "full" / "kdia" / f"{name}.safetensors")),
-                            load_file(str(tmp_path / "cut" / "kdia" / f"{name}.safetensors")))
-    assert resumed["accuracy"] == full["accuracy"] and resumed["tensor_bytes"] == full["tensor_bytes"]
-    rows = [(tmp_path / d / "kdia" / "metrics.jsonl").read_text().splitlines() for d in ("full", "cut")]
-    strip = [[{k: v for k, v in json.loads(r).items() if k != "logged_at"} for r in f] for f in rows]
-    assert strip[0] == strip[1]
+    # student and teacher bit for bit: the generator and its Adam state resumed too
+    assert_interrupted_run_resumes(round_config(tiny_config, kdia=dict(KDIA)), "kdia", Method, 3, tmp_path,
+                                   monkeypatch)
 
 
 def test_fedgkd_buffer_holds_the_last_global_models_and_its_teacher_is_their_mean(tmp_path, tiny_config):
@@ -146,21 +127,7 @@ def test_fedgen_trains_its_generator_sends_it_from_round_2_and_resumes(tmp_path,
     method, ctx = started(copy.deepcopy(cfg), "fedgen", tmp_path / "probe")
     assert method.terms(0, 1, ctx) == {} and "tensor_kinds" not in method.client_message(0, 1, ctx).meta
     assert method.terms(0, 3, ctx)["fedgen"]["alpha"] == pytest.approx(10 * 0.98 ** 2)
-    original, calls = FedGen.aggregate, []
-
-    def crash_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
-        calls.append(round_)
-        if round_ == 3 and len(calls) == 3:
-            raise KeyboardInterrupt
-        return original(self, round_, uploads, ctx)
-
-    monkeypatch.setattr(FedGen, "aggregate", crash_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(copy.deepcopy(cfg), tmp_path / "cut")
-    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["fedgen"]
-    assert resumed["resumed_from_round"] == 2 and resumed["accuracy"] == full["accuracy"]
-    assert same_weights(load_file(str(tmp_path / "full" / "fedgen" / "fedgen.safetensors")),
-                        load_file(str(tmp_path / "cut" / "fedgen" / "fedgen.safetensors")))
+    assert_interrupted_run_resumes(cfg, "fedgen", FedGen, 3, tmp_path / "resume", monkeypatch)
 
 
 def test_fedgen_diversity_equals_a_slow_loop():
@@ -224,22 +191,7 @@ def test_fedcog_killed_after_a_round_resumes_to_the_same_bits(tmp_path, tiny_con
 
     cfg = round_config(tiny_config, fedcog={"rounds": 4, "sample_ratio": 0.67, "start_round": 2, "g_steps": 3,
                                             "g_size": 16})
-    full = run(copy.deepcopy(cfg), tmp_path / "full")["results"]["fedcog"]
-    original, calls = FedCOG.aggregate, []
-
-    def crash_in_round_3(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
-        calls.append(round_)
-        if round_ == 3 and len(calls) == 3:
-            raise KeyboardInterrupt
-        return original(self, round_, uploads, ctx)
-
-    monkeypatch.setattr(FedCOG, "aggregate", crash_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        run(copy.deepcopy(cfg), tmp_path / "cut")
-    resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["fedcog"]
-    assert resumed["resumed_from_round"] == 2 and resumed["accuracy"] == full["accuracy"]
-    assert same_weights(load_file(str(tmp_path / "full" / "fedcog" / "fedcog.safetensors")),
-                        load_file(str(tmp_path / "cut" / "fedcog" / "fedcog.safetensors")))
+    assert_interrupted_run_resumes(cfg, "fedcog", FedCOG, 3, tmp_path, monkeypatch)
 
 
 def test_a_rejected_kdia_upload_changes_no_count_no_stored_model_and_no_weight(tmp_path, tiny_config, monkeypatch):

@@ -50,6 +50,37 @@ def started(cfg: dict, label: str, folder: Path):  # noqa: ANN201
     return method, ctx
 
 
+def assert_interrupted_run_resumes(cfg: dict, label: str, cls: type, at: int, folder: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Run method ``label`` of ``cfg`` uninterrupted, then again interrupted in round ``at`` (its
+    ``cls.aggregate`` raises) and resumed: the resumed run restarts after round ``at - 1`` and ends with the
+    same saved models bit for bit, metric rows, accuracy and tensor bytes. Returns the uninterrupted result."""
+    only = {**cfg, "methods": {label: cfg["methods"][label]}}
+    full = run(copy.deepcopy(only), folder / "full")["results"][label]
+    original = cls.aggregate
+
+    def crash(self, round_, uploads, ctx):  # noqa: ANN001, ANN202
+        if round_ == at:
+            raise KeyboardInterrupt
+        return original(self, round_, uploads, ctx)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cls, "aggregate", crash)
+        with pytest.raises(KeyboardInterrupt):
+            run(copy.deepcopy(only), folder / "cut")
+    resumed = run(copy.deepcopy(only), folder / "cut")["results"][label]
+    assert resumed["resumed_from_round"] == at - 1
+    models = sorted((folder / "full" / label).glob("*.safetensors"))
+    assert models
+    for path in models:
+        assert same_weights(load_file(str(path)), load_file(str(folder / "cut" / label / path.name))), path.name
+    rows = [[{k: v for k, v in json.loads(r).items() if k != "logged_at"}
+             for r in (folder / d / label / "metrics.jsonl").read_text().splitlines()] for d in ("full", "cut")]
+    assert rows[0] == rows[1]
+    assert resumed["accuracy"] == full["accuracy"] and resumed["tensor_bytes"] == full["tensor_bytes"]
+    return full
+
+
 def weights(folder: Path, label: str) -> dict[str, torch.Tensor]:
     return load_file(str(folder / label / f"{label}.safetensors"))
 
@@ -112,16 +143,22 @@ def test_fedavgm_buffer_equals_a_hand_computation(tiny_config):
         assert torch.allclose(w2[k], w1[k] - 1.2, atol=1e-6)
 
 
+def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise of std ``scale`` added to every parameter."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return out
+
+
 def test_moon_term_is_zero_at_a_first_participation_then_uses_the_stored_model():
     torch.manual_seed(0)
     start = build_model("simplecnn", 1, 16, 4)
     x, y = torch.randn(6, 1, 16, 16), torch.tensor([0, 1, 2, 3, 0, 1])
     state: dict[str, Any] = {}
     terms = build_terms({"contrastive": {"mu": 5.0, "tau": 0.5}}, start, {}, state)
-    model = copy.deepcopy(start)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    model = perturbed(start, 0.1)
     z = model.projection(model.extract(x))
     assert float(terms[0](model, x, y, model.head(z), z)) == 0.0
     loss = objective(terms)
@@ -129,10 +166,7 @@ def test_moon_term_is_zero_at_a_first_participation_then_uses_the_stored_model()
     terms[0].after(model, state)  # the trained model becomes the client's previous model
     assert sorted(state) == sorted(PREV_MODEL + k for k in model.state_dict())
     terms = build_terms({"contrastive": {"mu": 5.0, "tau": 0.5}}, start, {}, state)
-    other = copy.deepcopy(start)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    other = perturbed(start, 0.05)
     z = other.projection(other.extract(x))
     cos = torch.nn.functional.cosine_similarity
     with torch.no_grad():

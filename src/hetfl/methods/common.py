@@ -83,3 +83,54 @@ class DataFreeMethod(OneShotMethod):
 
     def after(self, engine: DataFreeDistiller, ctx: ServerContext) -> None:
         """Hook after the loop (plots, extra records)."""
+
+
+# ---- multi-round helpers ------------------------------------------------------------------------------
+def require_one_architecture(ctx: ServerContext, what: str) -> None:
+    """ValueError unless every client uses the server architecture (``what``: why it must)."""
+    mixed = sorted(set(ctx.client_archs) - {ctx.server_arch})
+    if mixed:
+        raise ValueError(f"{what}: it needs every client on the server architecture {ctx.server_arch!r}; "
+                         f"clients use {mixed}")
+
+
+def require_projection_head(ctx: ServerContext, method: str) -> None:
+    """ValueError unless the client model has ``projection`` and ``head`` (MOON's, FedGen's heads)."""
+    from hetfl.models import build_model
+
+    model = build_model(ctx.server_arch, ctx.shape[0], ctx.shape[1], ctx.num_classes)
+    if not (hasattr(model, "projection") and hasattr(model, "head")):
+        raise ValueError(f"{method} needs a client model with a projection head (such as simplecnn); "
+                         f"{ctx.server_arch!r} has none")
+
+
+def frozen(models: list[nn.Module], device: Any) -> list[nn.Module]:
+    """``models`` on ``device`` in eval mode with their parameters frozen (teachers of a server generator)."""
+    for model in models:
+        model.to(device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return models
+
+
+class ServerGenerator:
+    """Mixin for a round method with a server generator ``self.generator`` and its optimiser
+    ``self.gen_opt``: both go into the method's state (the checkpoint), so a resume continues them."""
+
+    generator: nn.Module
+    gen_opt: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        from hetfl.fl.checkpoint import optimizer_tensors
+
+        out = super().state_dict()  # type: ignore[misc]
+        out.update({f"generator.{k}": v for k, v in self.generator.state_dict().items()})
+        out.update(optimizer_tensors(self.gen_opt, "generator_opt."))
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from hetfl.fl.checkpoint import load_optimizer_tensors
+
+        super().load_state_dict(state)  # type: ignore[misc]
+        self.generator.load_state_dict({k[10:]: v for k, v in state.items() if k.startswith("generator.")})
+        load_optimizer_tensors(self.gen_opt, state, "generator_opt.")

@@ -25,7 +25,7 @@ from hetfl.fl.aggregate import vote, weighted_average
 from hetfl.fl.client import train_message
 from hetfl.fl.method import OneShotMethod, RoundMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.methods.common import client_models, group_by_arch
+from hetfl.methods.common import client_models, group_by_arch, require_one_architecture
 
 DEFAULTS: dict[str, Any] = {"rounds": 1, "sample_ratio": 1.0, "init": "seed"}
 
@@ -69,12 +69,7 @@ class FedAvgRounds(RoundMethod):
     ranges = {"init": {"choices": ("seed", "weights")}}
 
     def check(self, ctx: ServerContext) -> None:
-        mixed = sorted(set(ctx.client_archs) - {ctx.server_arch})
-        if mixed:
-            raise ValueError(
-                f"multi-round {self.method} averages parameters: it needs every client on the server "
-                f"architecture {ctx.server_arch!r}; clients use {mixed}"
-            )
+        require_one_architecture(ctx, f"multi-round {self.method} averages parameters")
 
     def setup(self, ctx: ServerContext) -> None:
         self.check(ctx)

@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetfl.fl.checkpoint import load_optimizer_tensors, optimizer_tensors
 from hetfl.fl.method import ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.methods.common import client_models
+from hetfl.methods.common import ServerGenerator, client_models, frozen, require_projection_head
 from hetfl.methods.fedavg import ROUND_DEFAULTS, ROUND_RANGES, FedAvgRounds
-from hetfl.models import build_model
 from hetfl.models.generator import LatentGenerator
 
 
@@ -42,7 +40,7 @@ def fedgen_diversity(noise: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
 
 
 @register("fedgen")
-class FedGen(FedAvgRounds):
+class FedGen(ServerGenerator, FedAvgRounds):
     name = "fedgen"
     defaults = {**ROUND_DEFAULTS, "alpha": 10.0, "beta": 10.0, "decay": 0.98, "noise": "normal", "noise_dim": 32,
                 "hidden": 256, "gen_steps": 50, "gen_batch_size": 32, "gen_lr": 3e-4, "eta": 1.0}
@@ -52,10 +50,7 @@ class FedGen(FedAvgRounds):
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
-        model = build_model(ctx.server_arch, ctx.shape[0], ctx.shape[1], ctx.num_classes)
-        if not (hasattr(model, "projection") and hasattr(model, "head")):
-            raise ValueError(f"fedgen needs a client model with a projection head (such as simplecnn); "
-                             f"{ctx.server_arch!r} has none")
+        require_projection_head(ctx, "fedgen")
 
     def setup(self, ctx: ServerContext) -> None:
         super().setup(ctx)
@@ -93,10 +88,7 @@ class FedGen(FedAvgRounds):
         totals = counts.sum(dim=0)
         held = torch.nonzero(totals > 0).flatten()
         share = (counts / totals.clamp(min=1)).float().to(ctx.device)  # (K, C): client k's share of label y
-        for head in heads:
-            head.to(ctx.device).eval()
-            for param in head.parameters():
-                param.requires_grad_(False)
+        frozen(heads, ctx.device)
         self.generator.train()
         loss = torch.zeros(())
         for _ in range(int(p["gen_steps"])):
@@ -112,14 +104,3 @@ class FedGen(FedAvgRounds):
             loss.backward()
             self.gen_opt.step()
         return float(loss.detach())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out = super().state_dict()
-        out.update({f"generator.{k}": v for k, v in self.generator.state_dict().items()})
-        out.update(optimizer_tensors(self.gen_opt, "generator_opt."))
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.generator.load_state_dict({k[10:]: v for k, v in state.items() if k.startswith("generator.")})
-        load_optimizer_tensors(self.gen_opt, state, "generator_opt.")

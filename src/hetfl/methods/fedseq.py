@@ -16,7 +16,7 @@ from hetfl.fl.client import ClientEnv, client_task, model_from_message, train_me
 from hetfl.fl.comm import RELAYED
 from hetfl.fl.method import RoundMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload, state_payload
-from hetfl.methods.common import client_models
+from hetfl.methods.common import client_models, require_one_architecture
 
 
 @client_task("return_model")
@@ -32,10 +32,7 @@ class FedSeq(RoundMethod):
     ranges = {"clusters": {"ge": 1}, "sample_ratio": {"gt": 0, "le": 1}}
 
     def check(self, ctx: ServerContext) -> None:
-        mixed = sorted(set(ctx.client_archs) - {ctx.server_arch})
-        if mixed:
-            raise ValueError(f"fedseq passes one model around: every client on {ctx.server_arch!r}; "
-                             f"clients use {mixed}")
+        require_one_architecture(ctx, "fedseq passes one model around")
         if self.params["sample_ratio"] != 1.0:
             raise ValueError("fedseq trains every ring every round: sample_ratio must be 1")
         o = int(self.params["clusters"])

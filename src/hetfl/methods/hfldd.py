@@ -43,7 +43,7 @@ from hetfl.fl.method import RoundMethod, ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload, PayloadError, state_payload
 from hetfl.fl.train_config import TrainConfig
 from hetfl.fl.training import local_train, predict_logits
-from hetfl.methods.common import client_models
+from hetfl.methods.common import client_models, require_one_architecture
 
 RECEIVED = "received/"  # client-state prefix of the sets a head received
 
@@ -139,10 +139,7 @@ class HFLDD(RoundMethod):
         return int(self.params["rounds"]) + 2  # steps 1 and 2 are the clustering and distillation stages
 
     def check(self, ctx: ServerContext) -> None:
-        mixed = sorted(set(ctx.client_archs) - {ctx.server_arch})
-        if mixed:
-            raise ValueError(f"hfldd averages the heads' models: every client on {ctx.server_arch!r}; "
-                             f"clients use {mixed}")
+        require_one_architecture(ctx, "hfldd averages the heads' models")
         if self.params["sample_ratio"] != 1.0:
             raise ValueError("hfldd trains every head every round: sample_ratio must be 1")
         if self.params["clusters"] > ctx.num_clients:

@@ -39,11 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetfl.fl.aggregate import weighted_average
-from hetfl.fl.checkpoint import load_optimizer_tensors, optimizer_tensors
 from hetfl.fl.clientbook import ClientBook
 from hetfl.fl.method import ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
-from hetfl.methods.common import client_models
+from hetfl.methods.common import ServerGenerator, client_models, frozen
 from hetfl.methods.fedavg import ROUND_DEFAULTS, ROUND_RANGES, FedAvgRounds
 from hetfl.models import build_model
 from hetfl.models.generator import FeatureGenerator
@@ -100,7 +99,7 @@ def train_generator(generator: FeatureGenerator, opt: torch.optim.Optimizer, hea
 
 
 @register("kdia")
-class KDIA(FedAvgRounds):
+class KDIA(ServerGenerator, FedAvgRounds):
     name = "kdia"
     keep_client_models = True
     defaults = {**ROUND_DEFAULTS, "lambda_kd": 0.5, "tau": 2.0, "lambda_gen": 1.0, "kd_direction": "paper",
@@ -170,10 +169,7 @@ class KDIA(FedAvgRounds):
         p = self.params
         rng = torch.Generator().manual_seed(derive_seed(ctx.seed, "generator", self.name, round_))
         labels = torch.randint(0, ctx.num_classes, (int(p["gen_batches"]) * int(p["gen_batch_size"]),), generator=rng)
-        for head in heads:
-            head.to(ctx.device).eval()
-            for param in head.parameters():
-                param.requires_grad_(False)
+        frozen(heads, ctx.device)
         total = sum(p_k)
         loss = train_generator(self.generator, self.gen_opt, heads, [w / total for w in p_k], labels,
                                int(p["gen_epochs"]), int(p["gen_batch_size"]), float(p["diversity"]), rng, ctx.device)
@@ -192,14 +188,3 @@ class KDIA(FedAvgRounds):
             acc = {k: (ctx.validate(m) or {"accuracy": -math.inf})["accuracy"] for k, m in self.models().items()}
             self._picked = (stamp, teacher if acc[teacher] >= acc[student] else student)
         return self._picked[1]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out = super().state_dict()
-        out.update({f"generator.{k}": v for k, v in self.generator.state_dict().items()})
-        out.update(optimizer_tensors(self.gen_opt, "generator_opt."))
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)
-        self.generator.load_state_dict({k[10:]: v for k, v in state.items() if k.startswith("generator.")})
-        load_optimizer_tensors(self.gen_opt, state, "generator_opt.")

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from hetfl.fl.method import ServerContext, register
+from hetfl.methods.common import require_projection_head
 from hetfl.methods.fedavg import ROUND_DEFAULTS, ROUND_RANGES, FedAvgRounds
-from hetfl.models import build_model
 
 
 @register("moon")
@@ -26,10 +26,7 @@ class Moon(FedAvgRounds):
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
-        model = build_model(ctx.server_arch, ctx.shape[0], ctx.shape[1], ctx.num_classes)
-        if not (hasattr(model, "projection") and hasattr(model, "head")):
-            raise ValueError(f"moon needs a client model with a projection head (such as simplecnn); "
-                             f"{ctx.server_arch!r} has none")
+        require_projection_head(ctx, "moon")
 
     def terms(self, client_id: int, round_: int, ctx: ServerContext) -> dict[str, dict[str, Any]]:
         return {"contrastive": {"mu": self.params["mu"], "tau": self.params["tau"]}}
