@@ -36,6 +36,7 @@ A term with a zero weight is not built, so such a request trains exactly as plai
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ class Term:
 
     needs_projection = False
     adds_loss = True
+    ce_weight = 1.0  # the weight this term puts on the cross-entropy (FedCOG's real-data share)
 
     def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor,
                  z: torch.Tensor | None) -> torch.Tensor:
@@ -218,13 +220,13 @@ class FedCOGTerm(Term):
             self.target = F.softmax(self.global_model(self.x), dim=1)
         n_syn, n = float((counts.max() - counts).sum()), float(counts.sum())
         kd = float(settings.get("kd_weight", -1.0))
-        self.real, self.syn = (1.0, kd) if kd >= 0 else (n / (n + n_syn), n_syn / (n + n_syn))
+        self.ce_weight, self.syn = (1.0, kd) if kd >= 0 else (n / (n + n_syn), n_syn / (n + n_syn))
         self.batch = int(context["batch_size"])
 
     def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
         idx = torch.randint(0, len(self.x), (min(self.batch, len(self.x)),), generator=self.rng).to(self.x.device)
         kl = F.kl_div(F.log_softmax(model(self.x[idx]), dim=1), self.target[idx], reduction="batchmean")
-        return (self.real - 1.0) * F.cross_entropy(logits, y) + self.syn * kl
+        return self.syn * kl
 
     def after(self, model: nn.Module, state: dict[str, Any]) -> None:
         keep_as_previous(model, state)
@@ -289,10 +291,12 @@ def objective(terms: list[Term]) -> Callable[[nn.Module, torch.Tensor, torch.Ten
     if not terms:
         return None
     projection = any(t.needs_projection for t in terms)
+    ce_weight = math.prod(t.ce_weight for t in terms)
 
     def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z = model.projection(model.extract(x)) if projection else None
         logits = model.head(z) if projection else model(x)
-        return F.cross_entropy(logits, y) + sum(t(model, x, y, logits, z) for t in terms)
+        ce = F.cross_entropy(logits, y)
+        return (ce if ce_weight == 1.0 else ce_weight * ce) + sum(t(model, x, y, logits, z) for t in terms)
 
     return loss
