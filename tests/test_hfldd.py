@@ -77,6 +77,7 @@ def test_hfldd_killed_after_a_stage_resumes_to_the_same_end(tmp_path, tiny_confi
     resumed = run(copy.deepcopy(cfg), tmp_path / "cut")["results"]["hfldd"]
     assert resumed["resumed_from_round"] == 2
     assert resumed["accuracy"] == full["accuracy"] and resumed["tensor_bytes"] == full["tensor_bytes"]
+    assert resumed["clusters"] == full["clusters"]  # the record of step 1 is carried over
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -217,3 +217,38 @@ def test_a_rejected_kdia_upload_changes_no_count_no_stored_model_and_no_weight(t
     last = [max([r for r, s in enumerate(sampled, 1) if c in s and not (c == target and r == 2)], default=-1)
             for c in range(3)]
     assert saved["method.book.last_round"].tolist() == last
+
+
+def test_the_client_book_spills_models_past_its_memory_limit_and_resumes_from_the_files(tmp_path):
+    spill = tmp_path / "book"
+    book = ClientBook(3, 2, keep_models=True, spill_dir=spill, memory_limit=8)  # one 2-float model fits
+    ups = {c: Payload({"w": torch.full((2,), float(c))}, {"num_samples": 1}) for c in range(3)}
+    book.update(1, {0: ups[0], 1: ups[1]})
+    assert book.memory_bytes() == 8 and book.spilled() == [1]
+    assert torch.equal(book.model(1)["w"], torch.ones(2)) and book.model(2) is None
+    state = book.state_dict()
+    assert "model.1.w" not in state and state["spilled"].tolist() == [-1, 1, -1]
+    book.update(2, {1: Payload({"w": torch.full((2,), 5.0)}, {}), 2: ups[2]})
+    assert sorted(p.name for p in spill.iterdir()) == [f"client-{c}-round-{r}.safetensors"
+                                                       for c, r in ((1, 1), (1, 2), (2, 2))]
+    again = ClientBook(3, 2, keep_models=True, spill_dir=spill, memory_limit=8)
+    again.load_state_dict(book.state_dict())  # what the round-2 checkpoint holds
+    assert again.stored() == [0, 1, 2] and [float(s["w"][0]) for _, s in again.models()] == [0.0, 5.0, 2.0]
+    assert not (spill / "client-1-round-1.safetensors").exists()  # not named by the loaded checkpoint
+    book.update(3, {})  # round 2's checkpoint is written: round 1's file of client 1 goes
+    (spill / "client-2-round-2.safetensors").unlink()
+    with pytest.raises(ValueError, match="client 2's kept model"):
+        ClientBook(3, 2, keep_models=True, spill_dir=spill, memory_limit=8).load_state_dict(book.state_dict())
+
+
+def test_kdia_with_its_client_models_on_disk_equals_kdia_in_memory_and_resumes(tmp_path, tiny_config, monkeypatch):
+    from hetfl.methods.kdia import KDIA as Method
+
+    memory = run(round_config(tiny_config, kdia=dict(KDIA)), tmp_path / "memory")["results"]["kdia"]
+    disk = assert_interrupted_run_resumes(round_config(tiny_config, kdia={**KDIA, "book_memory_mb": 0}), "kdia",
+                                          Method, 3, tmp_path / "disk", monkeypatch)
+    assert disk["models"] == memory["models"] and disk["tensor_bytes"] == memory["tensor_bytes"]
+    saved = sorted((tmp_path / "memory" / "kdia").glob("*.safetensors"))
+    assert saved and all(same_weights(load_file(str(p)), load_file(str(tmp_path / "disk" / "full" / "kdia" / p.name)))
+                         for p in saved)
+    assert not (tmp_path / "disk" / "full" / "kdia" / "clientbook").exists()  # gone with the checkpoint

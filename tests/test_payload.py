@@ -103,8 +103,8 @@ def test_ledger_totals_per_client_and_round():
     ledger.add(2, 1, "peer", 6, "distilled_data", 2)
     assert ledger.total("up") == 12 and ledger.total("down") == 10 and ledger.total("peer") == 6
     assert ledger.per_client() == {0: {"up": 7, "down": 10, "peer": 0}, 1: {"up": 5, "down": 0, "peer": 6}}
-    assert ledger.per_round() == [{"round": 1, "up": 7, "down": 10, "peer": 0},
-                                  {"round": 2, "up": 5, "down": 0, "peer": 6}]
+    assert ledger.per_round() == [{"round": 1, "up": 7, "down": 10, "peer": 0, "tensor_bytes": 7},
+                                  {"round": 2, "up": 5, "down": 0, "peer": 6, "tensor_bytes": 2}]
     assert ledger.summary()["tensor_bytes"] == {"down": {"model": 4}, "up": {"logits": 3, "model": 0},
                                                 "peer": {"distilled_data": 2}}
     with pytest.raises(ValueError):

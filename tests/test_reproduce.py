@@ -77,12 +77,20 @@ def test_kdia_smoke_budget_runs_every_method_and_writes_the_page(tmp_path, capsy
 def test_hfldd_smoke_budget_runs_every_method(tmp_path):
     page = tmp_path / "page" / "hfldd.md"
     assert main(["reproduce", "hfldd", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),
-                 "--no-cache", "--quiet"]) == 0
+                 "--no-cache", "--quiet", "--save"]) == 0
     summary = json.loads((tmp_path / "runs" / "hfldd-synthetic-c2-s0-smoke" / "summary.json").read_text())
     results = summary["results"]
     assert set(results) == {"hfldd", "hfldd_nodd", "fedavg", "fedprox", "fedseq", "dynafed", "central"}
     assert results["hfldd"]["bytes_peer"] > 0 and results["fedavg"]["bytes_peer"] == 0
-    assert "| C=2 | HFLDD |" in page.read_text()
+    text = page.read_text()
+    assert "| C=2 | HFLDD |" in text
+    assert "Fig. 6 (Synthetic (the smoke budget), C=2)" in text and "| method | to 50 % |" in text  # MiB to targets
+    archived = json.loads((tmp_path / "page" / "hfldd-runs.json").read_text())["hfldd-synthetic-c2-s0-smoke"]
+    curve, mib = archived["results"]["fedavg"]["curve"], archived["results"]["fedavg"]["mib"]
+    assert len(mib) == len(curve) and mib == sorted(mib) and mib[-1] > 0  # cumulative tensor MiB per evaluation
+    assert archived["results"]["hfldd"]["clusters"]["homogeneous"] == 2
+    assert "Clusters found" in text and "(hfldd-synthetic-c2-s0-smoke-clusters.png)" in text
+    assert (tmp_path / "page" / "hfldd-synthetic-c2-s0-smoke-clusters.png").is_file()
 
 
 TINY_PAPER = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Collection
@@ -245,7 +246,7 @@ class Simulator:
                      ledger: CommLedger, history: list[float], states: dict[int, dict], seconds: float) -> None:
         """One file, written to a temporary name and renamed (hetfl.fl.payload.Payload.write): the
         method's state, every client's state (tensors by name, the rest as JSON), the round, the
-        evaluations, the ledger, the client failures and the seconds so far."""
+        evaluations, the ledger, the method's record (client failures, clusters, ...) and the seconds so far."""
         tensors = {f"method.{k}": v.detach().cpu().contiguous() for k, v in method.state_dict().items()}
         client_json: dict[str, dict[str, Any]] = {}
         for cid, state in states.items():
@@ -257,7 +258,8 @@ class Simulator:
         meta = {"config_hash": config_hash(self.exp.cfg, name), "round": round_, "history": history,
                 "val_history": self._val_history.get(name, []),
                 "models_history": self._models_history.get(name, {}), "ledger": ledger.records,
-                "record": {k: ctx.record[k] for k in RESUMED_RECORD if k in ctx.record}, "seconds": seconds,
+                "record": {k: v for k, v in ctx.record.items() if not k.startswith("_") and k not in NOT_RESUMED},
+                "seconds": seconds,
                 "client_state": client_json}
         Payload(tensors, json_safe(meta)).write(path)
 
@@ -434,6 +436,7 @@ class Simulator:
             if not self.keep_checkpoints:  # the stage is done and its results are written
                 for path in (self.out_dir / name).glob("checkpoint*"):
                     path.unlink(missing_ok=True)
+                shutil.rmtree(self.out_dir / name / SPILL_DIR, ignore_errors=True)  # the ClientBook's models
         with open(self.out_dir / "metrics.jsonl", "w") as out:
             for name in exp.cfg["methods"]:
                 if self._metrics_file(name).is_file():
@@ -458,8 +461,10 @@ class Simulator:
         return summary
 
 
+SPILL_DIR = "clientbook"  # a round method's kept client models past its memory limit (RoundMethod.start)
 ROUND_CHECKPOINT = "checkpoint.safetensors"  # a round method's checkpoint: one file (_save_rounds)
-RESUMED_RECORD = ("client_failures", "empty_rounds")  # record keys a round checkpoint carries over
+# record keys a round checkpoint does not carry over (the resume sets them anew; "_..." keys are transient)
+NOT_RESUMED = ("resumed_from_round", "seconds_before_resume")
 UPLOADS_TRAINED = "uploads_trained"  # summary key: client uploads the run trained and put in its cache
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,26 @@ def weighted_average(states: Sequence[dict[str, torch.Tensor]], weights: Sequenc
         dtype = states[0][key].dtype
         out[key] = (mean.round() if not dtype.is_floating_point else mean).to(dtype)
     return out
+
+
+def streamed_average(states: Iterable[dict[str, torch.Tensor]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """:func:`weighted_average` over states read one at a time (e.g. from disk), so only one of them and
+    the float64 sum are in memory; the states come in the order of ``weights``."""
+    w = normalise(weights).tolist()
+    acc: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    count = 0
+    for k, state in enumerate(states):
+        if acc and set(state) != set(acc):
+            raise ValueError("cannot average models with different parameter names (heterogeneous architectures)")
+        for key, value in state.items():
+            term = value.to(torch.float64) * w[k]
+            acc[key] = acc[key] + term if key in acc else term
+            dtypes.setdefault(key, value.dtype)
+        count += 1
+    if count != len(w):
+        raise ValueError(f"{count} states for {len(w)} weights")
+    return {key: (v.round() if not dtypes[key].is_floating_point else v).to(dtypes[key]) for key, v in acc.items()}
 
 
 class Ensemble(nn.Module):

@@ -82,10 +82,12 @@ class CommLedger:
         return dict(sorted(out.items()))
 
     def per_round(self) -> list[dict[str, int]]:
+        """Per round: payload bytes per direction and ``tensor_bytes`` (every direction and kind)."""
         rounds: dict[int, dict[str, int]] = {}
-        for round_, _, direction, nbytes, _, _ in self.records:
-            entry = rounds.setdefault(round_, {"round": round_, **{d: 0 for d in DIRECTIONS}})
+        for round_, _, direction, nbytes, _, tb in self.records:
+            entry = rounds.setdefault(round_, {"round": round_, **{d: 0 for d in DIRECTIONS}, "tensor_bytes": 0})
             entry[direction] += nbytes
+            entry["tensor_bytes"] += tb
         return [rounds[r] for r in sorted(rounds)]
 
     def summary(self) -> dict[str, object]:

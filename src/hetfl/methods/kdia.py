@@ -26,7 +26,8 @@ Per round t (counted from 1), with S_t the sampled clients:
   round (the default where a validation split exists; ``teacher`` otherwise, which the paper reports as the
   better one); ``teacher`` / ``student`` force one. Both are evaluated and reported every round.
 
-The teacher's client models stay in memory (N models of the client architecture).
+The teacher's client models stay in memory up to ``book_memory_mb`` (2,048 MiB), the rest on disk in the
+run folder (:class:`~hetfl.fl.clientbook.ClientBook`); the teacher sums them one at a time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetfl.fl.aggregate import weighted_average
+from hetfl.fl.aggregate import streamed_average, weighted_average
 from hetfl.fl.clientbook import ClientBook
 from hetfl.fl.method import ServerContext, derive_seed, register
 from hetfl.fl.payload import Payload
@@ -104,12 +105,14 @@ class KDIA(ServerGenerator, FedAvgRounds):
     keep_client_models = True
     defaults = {**ROUND_DEFAULTS, "lambda_kd": 0.5, "tau": 2.0, "lambda_gen": 1.0, "kd_direction": "paper",
                 "teacher_weights": "gm", "select": "auto", "noise_dim": 100, "gen_epochs": 10, "gen_batches": 200,
-                "gen_batch_size": 64, "gen_lr": 1e-3, "gen_weight_decay": 1e-5, "diversity": 1.0}
+                "gen_batch_size": 64, "gen_lr": 1e-3, "gen_weight_decay": 1e-5, "diversity": 1.0,
+                "book_memory_mb": 2048.0}
     ranges = {**ROUND_RANGES, "lambda_kd": {"ge": 0}, "lambda_gen": {"ge": 0}, "tau": {"gt": 0},
               "kd_direction": {"choices": ("paper", "code")}, "teacher_weights": {"choices": TEACHER_WEIGHTS},
               "select": {"choices": ("auto", "val", "teacher", "student")}, "noise_dim": {"ge": 1},
               "gen_epochs": {"ge": 0}, "gen_batches": {"ge": 1}, "gen_batch_size": {"ge": 2},
-              "gen_lr": {"gt": 0}, "gen_weight_decay": {"ge": 0}, "diversity": {"ge": 0}}
+              "gen_lr": {"gt": 0}, "gen_weight_decay": {"ge": 0}, "diversity": {"ge": 0},
+              "book_memory_mb": {"ge": 0}}
 
     def check(self, ctx: ServerContext) -> None:
         super().check(ctx)
@@ -162,8 +165,8 @@ class KDIA(ServerGenerator, FedAvgRounds):
         """sum_k F_k theta_k over every client (the initial model for a never-seen client)."""
         f = tri_freqs(self.book, round_, self.sizes, self.params["teacher_weights"])
         keep = [k for k in range(len(f)) if float(f[k]) > 0]
-        states = [self.book.models.get(k, self.initial) for k in keep]
-        return weighted_average(states, [float(f[k]) for k in keep])
+        states = (self.book.model(k) or self.initial for k in keep)  # one at a time: some may be on disk
+        return streamed_average(states, [float(f[k]) for k in keep])
 
     def _train_generator(self, round_: int, heads: list[nn.Module], p_k: list[float], ctx: ServerContext) -> None:
         p = self.params

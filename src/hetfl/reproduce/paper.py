@@ -16,7 +16,8 @@ from hetfl.config import ConfigError
 PAPERS = Path(__file__).with_name("papers")
 KEYS = {"title", "source", "cell_name", "metric", "ours", "paper_method", "baselines", "datasets", "settings", "seeds",
         "default_budget", "protocol", "config", "methods", "labels", "budgets", "published", "anchors",
-        "setting_override", "reference", "orderings", "setting_format"}
+        "setting_override", "reference", "orderings", "setting_format", "cost_targets", "round_offset",
+        "cell_figures"}
 # besides the template's values; datasets / settings / seeds: the budget's default grid
 BUDGET_KEYS = {"about", "methods", "methods_override", "config_override", "datasets", "settings", "seeds"}
 

@@ -56,9 +56,26 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
                          bytes_down=r["bytes_down"], bytes_peer=r.get("bytes_peer", 0))
             if r.get("models"):
                 entry["models"] = {k: round(v, 2) for k, v in r["models"].items()}
+            if "curve" in entry and (mib := _mebibytes(folder, label, [s for s, _ in entry["curve"]])):
+                entry["mib"] = mib
+        if isinstance(r.get("clusters"), dict):  # HFLDD's clustering
+            entry["clusters"] = {k: r["clusters"][k] for k in ("homogeneous", "heterogeneous", "sizes")
+                                 if k in r["clusters"]}
         results[label] = entry
     return {"results": results, "minutes": round(summary.get("minutes") or 0.0, 1),
             "machine": machine(summary.get("environment", {}))}
+
+
+def _mebibytes(folder: Path | None, label: str, steps: list[int]) -> list[float] | None:
+    """Tensor MiB sent up to and including each step (the ledger's ``per_round`` tensor bytes, every
+    direction: the papers' traffic), None where the run's ``communication.json`` lacks them."""
+    path = folder / label / "communication.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    rounds = json.loads(path.read_text()).get("per_round", [])
+    if not rounds or any("tensor_bytes" not in r for r in rounds):
+        return None
+    return [round(sum(r["tensor_bytes"] for r in rounds if r["round"] <= s) / 2**20, 3) for s in steps]
 
 
 def load_cells(root: Path, archive: Path) -> dict[str, dict[str, Any]]:
@@ -161,7 +178,7 @@ def standing(paper: Paper, cells: dict[str, Any], budgets: list[str]) -> list[st
     return lines
 
 
-def budget_section(paper: Paper, cells: dict[str, Any], budget: str) -> list[str]:
+def budget_section(paper: Paper, cells: dict[str, Any], budget: str, folder: Path | None = None) -> list[str]:
     runs = [r for d in paper.datasets for s in paper.settings for r in _runs(paper, cells, d, s, budget)]
     minutes = [r["minutes"] for r in runs if r.get("minutes")]
     machines = sorted({r["machine"] for r in runs})
@@ -174,6 +191,8 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str) -> list[str
             lines += [f"### {title}", "", *_dataset_table(paper, cells, dataset, budget, val), ""]
             if paper.spec.get("reference"):
                 lines += [*_rounds_table(paper, cells, dataset, budget), ""]
+            lines += _cost_targets(paper, cells, dataset, budget)
+    lines += _clusters(paper, cells, budget, folder)
     if paper.spec.get("orderings"):
         lines += [*_orderings(paper, cells, budget), ""]
     return lines
@@ -208,7 +227,8 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
             got = [r for r in runs if "rounds" in r["results"].get(label, {})]
             if not got:
                 continue
-            reach = [_reach(r["results"][label].get("curve", []), max(a for _, a in r["results"][ref]["curve"]))
+            reach = [x - _offset(paper, r, label) if (x := _reach(r["results"][label].get("curve", []), max(
+                a for _, a in r["results"][ref]["curve"]))) is not None else None
                      for r in got if "curve" in r["results"].get(ref, {})]
             hits = [x for x in reach if x is not None]
             mean = {key: statistics.fmean(r["results"][label].get(key, 0) for r in got)
@@ -222,6 +242,95 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
                    or "-"]
             lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _offset(paper: Paper, run: dict[str, Any], label: str) -> int:
+    """Steps before a method's first training round (YAML ``round_offset`` per registered method; HFLDD's
+    clustering and distillation steps)."""
+    return int(paper.spec.get("round_offset", {}).get(run["results"][label].get("method", label), 0))
+
+
+def _to_target(paper: Paper, run: dict[str, Any], label: str, target: float) -> tuple[int, float | None] | None:
+    """(training rounds, MiB sent) at a method's first evaluation at or above ``target``; None if never."""
+    result = run["results"].get(label, {})
+    mib = result.get("mib")
+    for i, (step, accuracy) in enumerate(result.get("curve", [])):
+        if accuracy >= target:
+            return int(step) - _offset(paper, run, label), (mib[i] if mib else None)
+    return None
+
+
+def _cost_cell(hits: list[tuple[int, float | None]], runs: int) -> str:
+    if not hits:
+        return f"- (0/{runs})"
+    mib = [m for _, m in hits if m is not None]
+    text = f"{statistics.fmean(mib):.1f} MiB, " if mib else ""
+    return text + f"{statistics.fmean(r for r, _ in hits):.0f} rounds" + (f" ({len(hits)}/{runs})" if runs > 1 else "")
+
+
+def _cost_targets(paper: Paper, cells: dict[str, Any], dataset: str, budget: str) -> list[str]:
+    """Per YAML ``cost_targets`` entry: rounds and MiB until each target accuracy (HFLDD's Table II, Fig. 6),
+    the paper's beside where it gives them, and the ratio to ours."""
+    lines: list[str] = []
+    for spec in paper.spec.get("cost_targets", []):
+        setting = str(spec["setting"])
+        runs = _runs(paper, cells, dataset, setting, budget)
+        if not runs:
+            continue
+        targets, published = spec["targets"], spec.get("published", {}).get(dataset, {})
+        head = ["method", *(f"to {t} %" for t in targets)]
+        if len(targets) == 1:
+            head += [f"x {paper.label(paper.ours)}", *(["paper", "paper x"] if published else [])]
+        lines += [f"{spec['caption']} ({paper.datasets[dataset]}, {_settings_head(paper, setting)}): tensor MiB "
+                  "sent (every direction; a seeded first model is not sent) and training rounds until the first "
+                  "evaluation at or above the target; means over the seeds that reached it; \"-\": not reached "
+                  "in the budget's rounds.", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+        ours = [h for r in runs if (h := _to_target(paper, r, paper.ours, targets[-1])) and h[1] is not None]
+        for label in paper.methods:
+            got = [r for r in runs if "curve" in r["results"].get(label, {})]
+            if not got or "rounds" not in got[0]["results"][label]:
+                continue
+            row = [paper.label(label)]
+            for target in targets:
+                row.append(_cost_cell([h for r in got if (h := _to_target(paper, r, label, target))], len(got)))
+            if len(targets) == 1:
+                mine = [h[1] for r in got if (h := _to_target(paper, r, label, targets[0])) and h[1] is not None]
+                row.append(f"{statistics.fmean(mine) / statistics.fmean(m for _, m in ours):.1f}x"
+                           if mine and ours else "-")
+                if published:
+                    pub, base = published.get(label), published.get(paper.ours)
+                    row += [f"{pub[1]} MiB, {pub[0]} rounds" if pub else "-",
+                            f"{pub[1] / base[1]:.1f}x" if pub and base else "-"]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
+def _clusters(paper: Paper, cells: dict[str, Any], budget: str, folder: Path | None) -> list[str]:
+    """The clustering each run found (K homogeneous, H heterogeneous clusters and their sizes), with the
+    per-cell figures that ``--save`` copied beside the page (YAML ``cell_figures``)."""
+    rows, images = [], []
+    for dataset, title in paper.datasets.items():
+        for setting in paper.settings:
+            for seed in range(MAX_SEEDS):
+                name = cell_name(paper, dataset, setting, seed, budget)
+                if name not in cells:
+                    continue
+                for label, entry in cells[name]["results"].items():
+                    if "clusters" in entry:
+                        c = entry["clusters"]
+                        rows.append(f"| {title} | {_settings_head(paper, setting)} | {seed} | {paper.label(label)} | "
+                                    f"{c.get('homogeneous', '-')} | {c.get('heterogeneous', '-')} | "
+                                    f"{', '.join(map(str, c.get('sizes', [])))} |")
+                for label, figure in paper.spec.get("cell_figures", {}).items():
+                    path = f"{name}-{Path(figure).stem}.png"
+                    if folder is not None and (folder / path).is_file() and label in cells[name]["results"]:
+                        images.append(f"![{title}, {_settings_head(paper, setting)}, seed {seed}]({path})")
+    if not rows:
+        return []
+    return ["Clusters found (K homogeneous; H heterogeneous, each with one client of a homogeneous cluster, "
+            "and its size):", "", "| dataset | setting | seed | method | K | H | sizes |", "|---" * 7 + "|", *rows, "",
+            *images, *([""] if images else [])]
 
 
 def _values_of(runs: list[dict[str, Any]], label: str, model: str) -> list[float]:
@@ -358,7 +467,45 @@ def plot_curves(paper: Paper, cells: dict[str, Any], budget: str, path: Path) ->
     return drawn
 
 
-def render(paper: Paper, cells: dict[str, Any], figures: list[str]) -> str:
+def plot_cost(paper: Paper, cells: dict[str, Any], budget: str, path: Path) -> bool:
+    """MiB to each target accuracy, log scale, one panel per dataset (YAML ``cost_targets`` entries with
+    several targets: HFLDD's Fig. 6)."""
+    specs = [c for c in paper.spec.get("cost_targets", []) if len(c["targets"]) > 1]
+    panels = [(d, c) for c in specs for d in paper.datasets if _runs(paper, cells, d, str(c["setting"]), budget)]
+    if not panels:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.0), squeeze=False)
+    drawn = False
+    for ax, (dataset, spec) in zip(axes[0], panels):
+        runs = _runs(paper, cells, dataset, str(spec["setting"]), budget)
+        for label in paper.methods:
+            points = []
+            for target in spec["targets"]:
+                hits = [h[1] for r in runs if (h := _to_target(paper, r, label, target)) and h[1] is not None]
+                if hits and len(hits) == len(runs):
+                    points.append((target, statistics.fmean(hits)))
+            if points:
+                ax.plot(*zip(*points), marker="o", lw=1, ms=3, label=paper.label(label))
+                drawn = True
+        ax.set_yscale("log")
+        ax.set_title(f"{paper.datasets[dataset]}, {_settings_head(paper, str(spec['setting']))}", fontsize=9)
+        ax.set_xlabel("target test accuracy (%)", fontsize=8)
+        ax.set_ylabel("MiB sent until reached", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    if drawn:
+        _save(fig, path)
+    plt.close(fig)
+    return drawn
+
+
+def render(paper: Paper, cells: dict[str, Any], figures: list[str], folder: Path | None = None) -> str:
     budgets = budgets_run(paper, cells)
     what = "test-best" if paper.metric == "best" else "final"
     lines = [f"# {paper.title}", "",
@@ -373,7 +520,7 @@ def render(paper: Paper, cells: dict[str, Any], figures: list[str]) -> str:
              "## Standing", "", *standing(paper, cells, budgets), ""]
     lines += [f"![{f}]({f})" for f in figures] + ([""] if figures else [])
     for budget in budgets:
-        lines += budget_section(paper, cells, budget)
+        lines += budget_section(paper, cells, budget, folder)
     not_run = [b for b in paper.budgets if b not in budgets]
     if not_run:
         lines += ["Budgets with no cell run yet: " + ", ".join(
@@ -388,8 +535,8 @@ def write_results(paper: Paper, root: Path, results: Path, archive: Path) -> Non
     results.parent.mkdir(parents=True, exist_ok=True)
     budget = paper.default_budget
     figures = []
-    for stem, plot in (("standing", plot_standing), ("curves", plot_curves)):
+    for stem, plot in (("standing", plot_standing), ("curves", plot_curves), ("cost", plot_cost)):
         path = results.with_name(f"{paper.name}-{stem}.png")
         if plot(paper, cells, budget, path):
             figures.append(path.name)
-    results.write_text(render(paper, cells, figures))
+    results.write_text(render(paper, cells, figures, results.parent))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -117,6 +118,10 @@ def save_archive(paper: Paper, root: Path, archive: Path) -> int:
         if summary.get("config", {}).get("name") == path.parent.name:
             saved[path.parent.name] = condense(summary, path.parent)
             count += 1
+            for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
+                source = path.parent / label / figure
+                if source.is_file():
+                    shutil.copyfile(source, archive.with_name(f"{path.parent.name}-{Path(figure).stem}.png"))
     archive.write_text(json.dumps(dict(sorted(saved.items())), indent=1, sort_keys=True) + "\n")
     return count
 
