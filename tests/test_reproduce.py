@@ -10,7 +10,7 @@ from hetfl.config import ConfigError
 from hetfl.methods.checks import validate
 from hetfl.reproduce.paper import Paper, cell_config, grid, load_paper, paper_names
 from hetfl.reproduce.report import condense, write_results
-from hetfl.reproduce.runner import finished, run_grid
+from hetfl.reproduce.runner import finished, run_cell, run_grid
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -106,6 +106,28 @@ TINY_PAPER = {
                                                           "methods": ["fedavg", "ensemble"]}},
     "published": {"synthetic": {"fedavg": [50.0, 40.0]}},
 }
+
+
+def test_a_cell_stopped_in_a_method_keeps_the_results_of_earlier_runs(tmp_path, monkeypatch):
+    from hetfl.engine.simulator import Simulator
+
+    paper = Paper("tiny", TINY_PAPER)
+    root = tmp_path / "runs"
+    one = grid(paper, "quick", ["synthetic"], ["0.5"], [0], methods=["fedavg"])
+    run_cell(one[0], root, None, None, "cpu", 1, True)
+    original = Simulator.run_method
+
+    def stop(self, name):  # noqa: ANN001, ANN202
+        if name == "twice":
+            raise KeyboardInterrupt
+        return original(self, name)
+
+    monkeypatch.setattr(Simulator, "run_method", stop)
+    three = grid(paper, "quick", ["synthetic"], ["0.5"], [0], methods=["fedavg", "ensemble", "twice"])
+    with pytest.raises(KeyboardInterrupt):
+        run_cell(three[0], root, None, None, "cpu", 1, True)
+    summary = json.loads((root / three[0]["name"] / "summary.json").read_text())
+    assert list(summary["results"]) == ["fedavg", "ensemble"]  # the first run's fedavg is still there
 
 
 def test_grid_runs_skips_finished_cells_and_adds_a_method_to_a_cell(tmp_path, capsys):

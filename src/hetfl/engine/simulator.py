@@ -67,6 +67,7 @@ class Simulator:
                  keep_checkpoints: bool = False) -> None:
         self.exp = exp
         self.keep_checkpoints = keep_checkpoints  # False: a method's checkpoints go once its results are written
+        self.prior_results: dict[str, Any] = {}  # results of an earlier run into out_dir, kept in summary.json
         self._val_history: dict[str, list[float | None]] = {}  # per method, aligned with its test accuracies
         self._models_history: dict[str, dict[str, list[float | None]]] = {}  # per method, every model's accuracies
         self.quiet = quiet
@@ -446,7 +447,7 @@ class Simulator:
     def write_summary(self, results: dict[str, Any]) -> dict[str, Any]:
         summary = {
             "config": self.exp.cfg,
-            "results": results,
+            "results": {**self.prior_results, **results},
             "clients": {"archs": self.exp.archs,
                         **({"sizes": self.exp.partition.sizes.tolist(),
                             "class_counts": self.exp.partition.counts.tolist()}  # (clients, classes)

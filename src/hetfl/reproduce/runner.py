@@ -69,7 +69,9 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str
     if device:
         cfg = {**cfg, "device": device}
     start = time.perf_counter()
-    summary = Simulator(prepare(validate({**cfg, "methods": todo}), data_root), out, cache, quiet=quiet).run()
+    sim = Simulator(prepare(validate({**cfg, "methods": todo}), data_root), out, cache, quiet=quiet)
+    sim.prior_results = done  # a stop before the cell ends leaves every finished method in summary.json
+    summary = sim.run()
     summary["results"] = {**done, **summary["results"]}
     summary["config"]["methods"] = {**prior.get("config", {}).get("methods", {}), **summary["config"]["methods"]}
     summary["minutes"] = prior.get("minutes", 0.0) + (time.perf_counter() - start) / 60
