@@ -173,3 +173,19 @@ def test_on_a_one_class_partition_soft_labels_cluster_clients_by_class(tmp_path,
     part = json.loads((tmp_path / "partition.json").read_text())
     classes = [max(range(4), key=lambda c: row[c]) for row in part["counts"]]
     assert adjusted_rand_score(classes, [labels[str(c)] for c in range(8)]) == 1.0
+
+
+@pytest.mark.parametrize("passes", [0, 2])
+def test_dynafed_bn_passes_refresh_batchnorm_statistics_only(tmp_path, tiny_config, passes):
+    from tests.test_rounds import started
+
+    cfg = config(tiny_config, dynafed={"rounds": 4, "trajectory_rounds": 2, "expert_epochs": 1, "ipc": 2,
+                                       "distill_iter": 0, "bn_passes": passes})
+    cfg["client"]["model"] = cfg["server"]["model"] = "cnn2"  # has BatchNorm
+    method, ctx = started(cfg, "dynafed", tmp_path)
+    before = {k: v.clone() for k, v in method.global_model.state_dict().items()}
+    method._fine_tune(3, ctx)
+    after = method.global_model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert all("running" in k or "num_batches" in k for k in changed)  # no weight moves without Adam passes
+    assert bool(changed) == (passes > 0)
