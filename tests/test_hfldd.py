@@ -127,6 +127,30 @@ def test_fedseq_needs_equal_rings(tmp_path, tiny_config):
         run(cfg, tmp_path)
 
 
+def test_greedy_superclients_cover_the_clients_and_mix_classes():
+    from hetfl.fl.clustering import greedy_superclients
+
+    h = torch.zeros(20, 10)
+    for i in range(20):
+        h[i, i % 10] = 300  # one class each
+    groups = greedy_superclients(h, 800, 11, seed=0)
+    assert sorted(c for g in groups for c in g) == list(range(20)) and groups == greedy_superclients(h, 800, 11, 0)
+    assert all(len({c % 10 for c in g}) == len(g) for g in groups)  # KL picks a class not yet in the group
+    assert all(h[g].sum() >= 800 for g in groups[:-1]) and [len(g) for g in groups[:-1]] == [3] * 6
+    assert max(len(g) for g in greedy_superclients(h, 10**6, 4, 0)) == 4  # max_clients caps a group
+
+
+def test_fedseq_superclients_run_and_book_every_client_once_a_round(tmp_path, tiny_config):
+    cfg = config(tiny_config, clients=6, fedseq_superclient={"rounds": 2, "min_samples": 25})
+    res = run(cfg, tmp_path)["results"]["fedseq_superclient"]
+    rings = res["rings"]
+    assert sorted(c for r in rings for c in r) == list(range(6)) and res["params"]["grouping"] == "superclient"
+    w = sum(p.numel() for p in build_model("simplecnn", 1, 16, 4).parameters()) * 4
+    tb = res["tensor_bytes"]
+    assert tb["peer"]["model"] == 2 * 6 * w  # each client passes the model on once a round
+    assert tb["up"]["model"] == 2 * len(rings) * w and tb["down"]["model"] == len(rings) * w
+
+
 # ---- DynaFed -----------------------------------------------------------------------------------------
 def test_trajectory_matching_lowers_its_loss():
     from hetfl.methods.dynafed import match_trajectory

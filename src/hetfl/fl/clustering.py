@@ -7,6 +7,8 @@ shared auxiliary set, then heterogeneous clusters that take one client of each h
 * :func:`cluster_sampling`: Alg. 1: repeatedly draw one random client from each non-empty homogeneous
   cluster into a new heterogeneous cluster, until all are placed; so H = the largest homogeneous
   cluster's size; each heterogeneous cluster gets one random head.
+
+And FedSeq's superclients (Zaccone et al., 2022): :func:`greedy_superclients`.
 """
 
 from __future__ import annotations
@@ -45,3 +47,27 @@ def cluster_sampling(labels: list[int], seed: int) -> tuple[list[list[int]], lis
         clusters.append(sorted(int(pool.pop()) for pool in pools.values() if pool))
     heads = [int(rng.choice(members)) for members in clusters]
     return clusters, heads
+
+
+def greedy_superclients(histograms: torch.Tensor, min_samples: int, max_clients: int, seed: int,
+                        eps: float = 1e-8) -> list[list[int]]:
+    """FedSeq's greedy superclients from (N, C) class histograms: the clients in a seeded order; a
+    superclient starts with the first client left and then takes, while it holds fewer than
+    ``min_samples`` samples and fewer than ``max_clients`` clients, the client left whose class
+    distribution p maximises KL(q || p), q the superclient's pooled class distribution (ties: the
+    earliest in the order). The last superclient keeps whatever is left."""
+    counts = histograms.double()
+    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed)).tolist()
+    dist = (counts / counts.sum(1, keepdim=True).clamp(min=1)).clamp(min=eps)
+    groups: list[list[int]] = []
+    while order:
+        group = [order.pop(0)]
+        pooled = counts[group[0]].clone()
+        while order and pooled.sum() < min_samples and len(group) < max_clients:
+            q = (pooled / pooled.sum().clamp(min=1)).clamp(min=eps)
+            kl = (q * (q.log() - dist[order].log())).sum(1)  # KL(q || p) for every client left
+            best = order.pop(int(torch.argmax(kl)))  # argmax: the first of equals
+            group.append(best)
+            pooled += counts[best]
+        groups.append(group)
+    return groups
