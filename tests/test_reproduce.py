@@ -49,7 +49,7 @@ def test_unknown_paper_budget_or_setting_fail_with_the_choices(tmp_path, capsys)
     assert {"fedhydra", "fedmho", "kdia"} <= set(paper_names())
 
 
-@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia"])
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd"])
 def test_report_only_regenerates_the_committed_page_byte_for_byte(tmp_path, name):
     paper = load_paper(name)
     out = tmp_path / f"{name}.md"

@@ -219,7 +219,8 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
             "models"]
     lines = [f"Cost and speed ({paper.datasets[dataset]}): rounds until the first evaluation at or above "
              f"{paper.label(ref)}'s best test accuracy in the same cell (seeds that reached it / run); seconds per "
-             "round (clients and server, on the cell's machine); payload megabytes per cell.", "",
+             "round (clients and server, on the cell's machine; stages before the first round included); "
+             "payload megabytes per cell.", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for setting in paper.settings:
         runs = _runs(paper, cells, dataset, setting, budget)
@@ -265,7 +266,8 @@ def _cost_cell(hits: list[tuple[int, float | None]], runs: int) -> str:
         return f"- (0/{runs})"
     mib = [m for _, m in hits if m is not None]
     text = f"{statistics.fmean(mib):.1f} MiB, " if mib else ""
-    return text + f"{statistics.fmean(r for r, _ in hits):.0f} rounds" + (f" ({len(hits)}/{runs})" if runs > 1 else "")
+    rounds = statistics.fmean(r for r, _ in hits)
+    return text + f"{rounds:.0f} round{'s' * (round(rounds) != 1)}" + (f" ({len(hits)}/{runs})" if runs > 1 else "")
 
 
 def _cost_targets(paper: Paper, cells: dict[str, Any], dataset: str, budget: str) -> list[str]:
@@ -448,7 +450,8 @@ def plot_curves(paper: Paper, cells: dict[str, Any], budget: str, path: Path) ->
                           if "curve" in r["results"].get(label, {})]
                 steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
                 if len(steps) > 10:  # a per-epoch curve (FedDF's few evaluations read poorly at this scale)
-                    ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], lw=1,
+                    shift = _offset(paper, runs[0], label)  # training rounds (HFLDD: after its two stages)
+                    ax.plot([s - shift for s in steps], [statistics.fmean(c[s] for c in curves) for s in steps], lw=1,
                             label=paper.label(label))
                     drawn = True
             ax.set_title(f"{paper.datasets[dataset]}, {_settings_head(paper, setting)}", fontsize=8)
@@ -539,4 +542,4 @@ def write_results(paper: Paper, root: Path, results: Path, archive: Path) -> Non
         path = results.with_name(f"{paper.name}-{stem}.png")
         if plot(paper, cells, budget, path):
             figures.append(path.name)
-    results.write_text(render(paper, cells, figures, results.parent))
+    results.write_text(render(paper, cells, figures, archive.parent))  # per-cell figures lie beside the archive
