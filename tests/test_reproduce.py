@@ -115,6 +115,7 @@ def test_a_cell_stopped_in_a_method_keeps_the_results_of_earlier_runs(tmp_path, 
     root = tmp_path / "runs"
     one = grid(paper, "quick", ["synthetic"], ["0.5"], [0], methods=["fedavg"])
     run_cell(one[0], root, None, None, "cpu", 1, True)
+    minutes = json.loads((root / one[0]["name"] / "summary.json").read_text())["minutes"]
     original = Simulator.run_method
 
     def stop(self, name):  # noqa: ANN001, ANN202
@@ -128,6 +129,7 @@ def test_a_cell_stopped_in_a_method_keeps_the_results_of_earlier_runs(tmp_path, 
         run_cell(three[0], root, None, None, "cpu", 1, True)
     summary = json.loads((root / three[0]["name"] / "summary.json").read_text())
     assert list(summary["results"]) == ["fedavg", "ensemble"]  # the first run's fedavg is still there
+    assert summary["minutes"] > minutes  # the first run's minutes and the stopped run's so far
 
 
 def test_grid_runs_skips_finished_cells_and_adds_a_method_to_a_cell(tmp_path, capsys):

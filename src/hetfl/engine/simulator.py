@@ -68,6 +68,8 @@ class Simulator:
         self.exp = exp
         self.keep_checkpoints = keep_checkpoints  # False: a method's checkpoints go once its results are written
         self.prior_results: dict[str, Any] = {}  # results of an earlier run into out_dir, kept in summary.json
+        self.prior_minutes: float | None = None  # set: summary.json counts minutes (earlier runs' + this one's)
+        self._created = time.perf_counter()
         self._val_history: dict[str, list[float | None]] = {}  # per method, aligned with its test accuracies
         self._models_history: dict[str, dict[str, list[float | None]]] = {}  # per method, every model's accuracies
         self.quiet = quiet
@@ -457,6 +459,8 @@ class Simulator:
             # uploads this run trained into its cache (train_uploads included): where every method then
             # read them from the cache, its results alone would not tell that the run trained them
             **({UPLOADS_TRAINED: self.trained_uploads} if self.trained_uploads else {}),
+            **({"minutes": self.prior_minutes + (time.perf_counter() - self._created) / 60}
+               if self.prior_minutes is not None else {}),
         }
         (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
         return summary

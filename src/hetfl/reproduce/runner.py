@@ -70,7 +70,8 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str
         cfg = {**cfg, "device": device}
     start = time.perf_counter()
     sim = Simulator(prepare(validate({**cfg, "methods": todo}), data_root), out, cache, quiet=quiet)
-    sim.prior_results = done  # a stop before the cell ends leaves every finished method in summary.json
+    # a stop before the cell ends leaves every finished method and the minutes so far in summary.json
+    sim.prior_results, sim.prior_minutes = done, prior.get("minutes", 0.0)
     summary = sim.run()
     summary["results"] = {**done, **summary["results"]}
     summary["config"]["methods"] = {**prior.get("config", {}).get("methods", {}), **summary["config"]["methods"]}
