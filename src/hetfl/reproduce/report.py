@@ -301,7 +301,7 @@ def _cost_targets(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
                            if mine and ours else "-")
                 if published:
                     pub, base = published.get(label), published.get(paper.ours)
-                    row += [f"{pub[1]} MiB, {pub[0]} rounds" if pub else "-",
+                    row += [f"{pub[1]} MiB, {pub[0]} round{'s' * (pub[0] != 1)}" if pub else "-",
                             f"{pub[1] / base[1]:.1f}x" if pub and base else "-"]
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
