@@ -233,7 +233,7 @@ def test_the_client_book_spills_models_past_its_memory_limit_and_resumes_from_th
                                                        for c, r in ((1, 1), (1, 2), (2, 2))]
     again = ClientBook(3, 2, keep_models=True, spill_dir=spill, memory_limit=8)
     again.load_state_dict(book.state_dict())  # what the round-2 checkpoint holds
-    assert again.stored() == [0, 1, 2] and [float(s["w"][0]) for _, s in again.models()] == [0.0, 5.0, 2.0]
+    assert again.stored() == [0, 1, 2] and [float(again.model(c)["w"][0]) for c in again.stored()] == [0.0, 5.0, 2.0]
     assert not (spill / "client-1-round-1.safetensors").exists()  # not named by the loaded checkpoint
     book.update(3, {})  # round 2's checkpoint is written: round 1's file of client 1 goes
     (spill / "client-2-round-2.safetensors").unlink()

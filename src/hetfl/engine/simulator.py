@@ -35,6 +35,7 @@ from hetfl.engine.environment import run_environment
 from hetfl.engine.experiment import Experiment, prepare  # noqa: F401  (prepare: callers import it from here)
 from hetfl.engine.uploads import ClientExchange, Transport
 from hetfl.fl.cache import uploads_digest
+from hetfl.fl.clientbook import SPILL_DIR
 from hetfl.fl.comm import CommLedger
 from hetfl.fl.method import (
     Method,
@@ -466,7 +467,6 @@ class Simulator:
         return summary
 
 
-SPILL_DIR = "clientbook"  # a round method's kept client models past its memory limit (RoundMethod.start)
 ROUND_CHECKPOINT = "checkpoint.safetensors"  # a round method's checkpoint: one file (_save_rounds)
 # record keys a round checkpoint does not carry over (the resume sets them anew; "_..." keys are transient)
 NOT_RESUMED = ("resumed_from_round", "seconds_before_resume")

@@ -16,7 +16,7 @@ checkpoint deletes the files it does not name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from hetfl.fl.payload import Payload
 
 DEFAULT_MEMORY_LIMIT = 2 * 2**30  # bytes of kept models held in memory before spilling to disk
+SPILL_DIR = "clientbook"  # the spilled models' folder in a method's run folder (RoundMethod.start)
 
 
 def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -79,7 +80,7 @@ class ClientBook:
 
     def stored(self) -> list[int]:
         """Clients with a kept model, in memory or on disk."""
-        return sorted(set(self._memory) | set(torch.nonzero(self._spilled >= 0).flatten().tolist()))
+        return sorted(set(self._memory) | set(self.spilled()))
 
     def spilled(self) -> list[int]:
         """Clients whose kept model is on disk."""
@@ -94,15 +95,14 @@ class ClientBook:
 
     def _store(self, cid: int, round_: int, state: dict[str, torch.Tensor]) -> None:
         self._memory.pop(cid, None)
-        fits = self.memory_bytes() + _nbytes(state) <= self.memory_limit
-        if fits or self.spill_dir is None:
-            self._memory[cid] = state
+        if int(self._spilled[cid]) >= 0 and int(self._spilled[cid]) != round_:
+            self._obsolete.append(self._file(cid, int(self._spilled[cid])))
+        if self.spill_dir is None or self.memory_bytes() + _nbytes(state) <= self.memory_limit:
+            self._memory[cid], self._spilled[cid] = state, -1
         else:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             Payload(state, {"client": cid, "round": round_}).write(self._file(cid, round_))
-        if int(self._spilled[cid]) >= 0 and int(self._spilled[cid]) != round_:
-            self._obsolete.append(self._file(cid, int(self._spilled[cid])))
-        self._spilled[cid] = -1 if (fits or self.spill_dir is None) else round_
+            self._spilled[cid] = round_
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -131,10 +131,3 @@ class ClientBook:
             if key.startswith("model."):
                 _, cid, name = key.split(".", 2)
                 self._memory.setdefault(int(cid), {})[name] = value.cpu()
-
-    def models(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Every kept model, one at a time (a spilled one is read when reached)."""
-        for cid in self.stored():
-            state = self.model(cid)
-            assert state is not None
-            yield cid, state

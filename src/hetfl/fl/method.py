@@ -30,7 +30,7 @@ from torch import nn
 
 from hetfl.data.base import ImageDataset
 from hetfl.fl.client import train_message
-from hetfl.fl.clientbook import DEFAULT_MEMORY_LIMIT, ClientBook
+from hetfl.fl.clientbook import DEFAULT_MEMORY_LIMIT, SPILL_DIR, ClientBook
 from hetfl.fl.params import ParamError, check
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.train_config import TrainConfig
@@ -225,7 +225,7 @@ class RoundMethod(Method):
         """Fresh client records, then :meth:`setup` (the state a checkpoint then overwrites)."""
         limit = float(self.params.get("book_memory_mb", DEFAULT_MEMORY_LIMIT / 2**20))  # kept models past it: on disk
         self.book = ClientBook(ctx.num_clients, ctx.num_classes, self.keep_client_models,
-                               spill_dir=ctx.out_dir / "clientbook", memory_limit=int(limit * 2**20))
+                               spill_dir=ctx.out_dir / SPILL_DIR, memory_limit=int(limit * 2**20))
         self.setup(ctx)
 
     def run_round(self, round_: int, ctx: ServerContext) -> None:
