@@ -292,11 +292,10 @@ def _cost_targets(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
             got = [r for r in runs if "curve" in r["results"].get(label, {})]
             if not got or "rounds" not in got[0]["results"][label]:
                 continue
-            row = [paper.label(label)]
-            for target in targets:
-                row.append(_cost_cell([h for r in got if (h := _to_target(paper, r, label, target))], len(got)))
+            hits = [[h for r in got if (h := _to_target(paper, r, label, t))] for t in targets]
+            row = [paper.label(label), *(_cost_cell(h, len(got)) for h in hits)]
             if len(targets) == 1:
-                mine = [h[1] for r in got if (h := _to_target(paper, r, label, targets[0])) and h[1] is not None]
+                mine = [m for _, m in hits[0] if m is not None]
                 row.append(f"{statistics.fmean(mine) / statistics.fmean(m for _, m in ours):.1f}x"
                            if mine and ours else "-")
                 if published:
