@@ -21,7 +21,7 @@ from hetfl.fl.checkpoint import TrainCheckpoint
 from hetfl.fl.objectives import build_terms, objective
 from hetfl.fl.payload import Payload, PayloadError, state_payload
 from hetfl.fl.train_config import TrainConfig
-from hetfl.fl.training import local_train, local_train_group
+from hetfl.fl.training import local_train, local_train_group, prepare
 from hetfl.models import build_model
 
 
@@ -142,15 +142,16 @@ def train_message(arch: str, shape: tuple[int, int, int], num_classes: int, cfg:
 def train_classifier(message: Payload, env: ClientEnv) -> Payload:
     """Local SGD on the client's data, cross-entropy plus the request's named loss terms
     (:mod:`hetfl.fl.objectives`); upload the full model state."""
-    model = model_from_message(message).to(env.device)
     cfg = TrainConfig(**message.meta["train"])
+    # the training layout before the terms copy the model: their frozen models then run in it too
+    model = prepare(model_from_message(message), env.device, cfg.channels_last)
     terms = build_terms(message.meta.get("terms") or {}, model,
                         {k: v.to(env.device) for k, v in message.tensors.items() if "/" in k}, env.state,
                         {"num_samples": len(env.data), "batch_size": cfg.batch_size, "epochs": cfg.epochs,
                          "label_counts": env.data.label_counts().tolist(),
                          "shape": (int(message.meta["in_channels"]), int(message.meta["image_size"]),
                                    int(message.meta["image_size"])),
-                         "seed": derive_term_seed(int(message.meta["seed"]))})
+                         "channels_last": cfg.channels_last, "seed": derive_term_seed(int(message.meta["seed"]))})
     loss = objective(terms)
     stats = local_train(model, env.data, cfg, env.device, seed=int(message.meta["seed"]), progress=env.progress,
                         checkpoint=env.checkpoint, **({"loss_fn": loss} if loss else {}))

@@ -207,7 +207,9 @@ class FedCOGTerm(Term):
             prev_model.load_state_dict(prev)
         counts = torch.as_tensor(context["label_counts"])
         self.y = complement_labels(counts, int(settings["size"])).to(device)
-        x = torch.randn((len(self.y), *context["shape"]), generator=self.rng).to(device).requires_grad_(True)
+        layout = torch.channels_last if context.get("channels_last") else torch.contiguous_format
+        x = torch.randn((len(self.y), *context["shape"]), generator=self.rng).to(device)
+        x = x.contiguous(memory_format=layout).requires_grad_(True)  # the models' layout (faster NHWC convs)
         opt = torch.optim.Adam([x], lr=float(settings["lr"]))
         for _ in range(int(settings["steps"])):
             t_out = self.global_model(x)
@@ -221,11 +223,12 @@ class FedCOGTerm(Term):
         n_syn, n = float((counts.max() - counts).sum()), float(counts.sum())
         kd = float(settings.get("kd_weight", -1.0))
         self.ce_weight, self.syn = (1.0, kd) if kd >= 0 else (n / (n + n_syn), n_syn / (n + n_syn))
-        self.batch = int(context["batch_size"])
+        self.batch, self.layout = int(context["batch_size"]), layout
 
     def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
         idx = torch.randint(0, len(self.x), (min(self.batch, len(self.x)),), generator=self.rng).to(self.x.device)
-        kl = F.kl_div(F.log_softmax(model(self.x[idx]), dim=1), self.target[idx], reduction="batchmean")
+        batch = self.x[idx].contiguous(memory_format=self.layout)
+        kl = F.kl_div(F.log_softmax(model(batch), dim=1), self.target[idx], reduction="batchmean")
         return self.syn * kl
 
     def after(self, model: nn.Module, state: dict[str, Any]) -> None:
