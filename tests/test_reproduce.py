@@ -155,3 +155,10 @@ def test_grid_runs_skips_finished_cells_and_adds_a_method_to_a_cell(tmp_path, ca
     assert "| FedAvg | " in text and "| 50.00 |" in text and "(n=2)" in text
     small = condense(merged, root / more[0]["name"])
     assert set(small["results"]["twice"]) >= {"method", "final", "best", "curve"}  # two rounds: a curve
+
+
+def test_cells_get_threads_from_the_cpus_this_process_may_use(monkeypatch):
+    from hetfl.reproduce import runner
+
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert runner.usable_cpus() == 1  # e.g. under `taskset -c 3`, whatever os.cpu_count() says

@@ -82,6 +82,13 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str
     return cfg["name"]
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (``taskset``, container limits), not all the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def run_grid(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_root: str | None,
              device: str | None, jobs: int, quiet: bool, after: Any = None) -> list[str]:
     """Run the unfinished cells, ``jobs`` at a time; returns the names of the cells that failed."""
@@ -91,11 +98,11 @@ def run_grid(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_r
     if jobs == 1:
         for i, cfg in enumerate(todo, 1):
             print(f"[{i}/{len(todo)}] {cfg['name']}", flush=True)
-            run_cell(cfg, root, cache, data_root, device, max(1, os.cpu_count() or 1), quiet)
+            run_cell(cfg, root, cache, data_root, device, usable_cpus(), quiet)
             if after:
                 after()
         return failed
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = max(1, usable_cpus() // jobs)
     with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
         futures = {pool.submit(run_cell, cfg, root, cache, data_root, device, threads, True): cfg["name"]
                    for cfg in todo}
