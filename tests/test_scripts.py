@@ -91,3 +91,16 @@ def test_batch_clients_benchmark_reports_both_ways(tmp_path):
     assert row["speedup"] == round(row["alone_s"] / row["grouped_s"], 2)
 
 
+
+
+def test_bench_client_layout_reports_both_layouts_and_equal_logits():
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_client_layout.py"
+    done = subprocess.run([sys.executable, str(script), "--repeats", "1", "--eval", "200"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for name in ("evaluate", "fedcog", "kd"):
+        assert result[name]["nchw_ms"] > 0 and result[name]["nhwc_ms"] > 0
+    assert result["evaluate"]["max_logit_diff"] < 1e-4

@@ -274,3 +274,17 @@ def test_momentum_buffers_round_trip_by_parameter_index_and_a_misfit_changes_not
     with pytest.raises(ValueError, match=r"momentum buffers \[1\] do not fit"):
         load_momentum(empty, {"m.0": saved["m.0"], "m.1": torch.zeros(5)}, "m.")
     assert not empty.state  # checked before anything was set
+
+
+def test_nhwc_evaluation_matches_nchw_and_leaves_the_model_in_its_layout():
+    from hetfl.data.base import ImageDataset
+
+    torch.manual_seed(0)
+    data = ImageDataset(torch.randint(0, 256, (300, 3, 16, 16), dtype=torch.uint8), torch.randint(0, 10, (300,)), 10)
+    model = build_model("cnn2", 3, 16, 10)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    nhwc = training.predict_logits(model, data, torch.device("cpu"), batch_size=128)
+    nchw = training.predict_logits(model, data, torch.device("cpu"), batch_size=128, channels_last=False)
+    assert torch.allclose(nhwc, nchw, atol=1e-5)
+    for k, v in model.state_dict().items():  # the caller's model: same values, still NCHW-contiguous
+        assert torch.equal(v, before[k]) and v.is_contiguous()
