@@ -162,3 +162,30 @@ def test_cells_get_threads_from_the_cpus_this_process_may_use(monkeypatch):
 
     monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {3}, raising=False)
     assert runner.usable_cpus() == 1  # e.g. under `taskset -c 3`, whatever os.cpu_count() says
+
+
+def test_a_cell_run_in_parts_keeps_the_archived_methods_it_did_not_run(tmp_path):
+    """The archive holds fedavg and ensemble of a cell; a fresh runs folder has fedavg again and twice:
+    the page and the archive keep ensemble, take the new fedavg and twice, and add up the minutes."""
+    from hetfl.reproduce.report import load_cells
+    from hetfl.reproduce.runner import save_archive
+
+    paper = Paper("tiny", TINY_PAPER)
+    name = grid(paper, "quick", ["synthetic"], ["0.5"], [0])[0]["name"]
+    archive = tmp_path / "tiny-runs.json"
+    old = {"results": {"fedavg": {"method": "fedavg", "final": 1.0, "best": 1.0, "seconds": 60.0},
+                       "ensemble": {"method": "ensemble", "final": 2.0, "best": 2.0}},
+           "minutes": 10.0, "machine": "an old CPU"}
+    archive.write_text(json.dumps({name: old}))
+    root = tmp_path / "runs"
+    more = grid(paper, "quick", ["synthetic"], ["0.5"], [0], methods=["fedavg", "twice"])
+    run_grid(more, root, None, None, "cpu", 1, True)
+    new = condense(json.loads((root / name / "summary.json").read_text()), root / name)
+    for cells in (load_cells(root, archive), (save_archive(paper, root, archive), json.loads(archive.read_text()))[1]):
+        cell = cells[name]
+        assert set(cell["results"]) == {"fedavg", "ensemble", "twice"}
+        assert cell["results"]["ensemble"] == old["results"]["ensemble"]
+        assert cell["results"]["fedavg"] == new["results"]["fedavg"]
+        assert cell["minutes"] == round(10.0 + new["minutes"] - 1.0, 1)  # less the fedavg run again
+        assert cell["machine"] == f"an old CPU and {new['machine']}"
+    assert load_cells(root, tmp_path / "none.json")[name] == new  # nothing archived: the runs folder's cell

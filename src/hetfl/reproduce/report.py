@@ -78,10 +78,24 @@ def _mebibytes(folder: Path | None, label: str, steps: list[int]) -> list[float]
     return [round(sum(r["tensor_bytes"] for r in rounds if r["round"] <= s) / 2**20, 3) for s in steps]
 
 
+def merge_cell(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A cell of the runs folder over the archived one of the same name: its methods win, and the archived
+    methods it did not run are kept (a cell finished in parts, e.g. ``--methods`` on a fresh machine).
+    Minutes add up, less the archived seconds of the methods run again; machines are both named."""
+    if not old or set(old["results"]) <= set(new["results"]):
+        return new
+    again = [old["results"][m] for m in new["results"] if m in old["results"]]
+    minutes = old["minutes"] + new["minutes"] - sum(r.get("seconds", 0.0) for r in again) / 60
+    machines = old["machine"] if old["machine"] == new["machine"] else f"{old['machine']} and {new['machine']}"
+    return {"results": {**old["results"], **new["results"]}, "minutes": round(max(minutes, new["minutes"]), 1),
+            "machine": machines}
+
+
 def load_cells(root: Path, archive: Path) -> dict[str, dict[str, Any]]:
     cells = json.loads(archive.read_text()) if archive.is_file() else {}
     for path in sorted(root.glob("*/summary.json")):
-        cells[path.parent.name] = condense(json.loads(path.read_text()), path.parent)
+        cells[path.parent.name] = merge_cell(cells.get(path.parent.name),
+                                             condense(json.loads(path.read_text()), path.parent))
     return cells
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from hetfl.config import ConfigError
 from hetfl.reproduce.paper import Paper, grid, load_paper
-from hetfl.reproduce.report import ARCHIVE_SUFFIX, condense, write_results
+from hetfl.reproduce.report import ARCHIVE_SUFFIX, condense, merge_cell, write_results
 
 
 def _choices(option: str, text: str | None, valid: list[str]) -> list[str]:
@@ -126,7 +126,7 @@ def save_archive(paper: Paper, root: Path, archive: Path) -> int:
     for path in sorted(root.glob("*/summary.json")):
         summary = json.loads(path.read_text())
         if summary.get("config", {}).get("name") == path.parent.name:
-            saved[path.parent.name] = condense(summary, path.parent)
+            saved[path.parent.name] = merge_cell(saved.get(path.parent.name), condense(summary, path.parent))
             count += 1
             for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
                 source = path.parent / label / figure
