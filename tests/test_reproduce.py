@@ -189,3 +189,19 @@ def test_a_cell_run_in_parts_keeps_the_archived_methods_it_did_not_run(tmp_path)
         assert cell["minutes"] == round(10.0 + new["minutes"] - 1.0, 1)  # less the fedavg run again
         assert cell["machine"] == f"an old CPU and {new['machine']}"
     assert load_cells(root, tmp_path / "none.json")[name] == new  # nothing archived: the runs folder's cell
+
+
+def test_save_archives_only_cells_with_every_method_done(tmp_path, capsys):
+    from hetfl.reproduce.runner import save_archive
+
+    paper = Paper("tiny", TINY_PAPER)
+    root = tmp_path / "runs"
+    cell = grid(paper, "quick", ["synthetic"], ["0.5"], [0])[0]
+    run_grid([cell], root, None, None, "cpu", 1, True)
+    path = root / cell["name"] / "summary.json"
+    summary = json.loads(path.read_text())
+    del summary["results"]["ensemble"]  # as a cell stopped before its last method
+    path.write_text(json.dumps(summary))
+    archive = tmp_path / "tiny-runs.json"
+    assert save_archive(paper, root, archive) == 0 and json.loads(archive.read_text()) == {}
+    assert f"not archived: {cell['name']} has no result yet for ensemble" in capsys.readouterr().out

@@ -120,18 +120,24 @@ def run_grid(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_r
 
 
 def save_archive(paper: Paper, root: Path, archive: Path) -> int:
-    """Add the finished cells of the runs folder to the archived results (condensed, no models)."""
+    """Add the finished cells of the runs folder (a result for every method of their config) to the
+    archived results (condensed, no models); a cell still running or stopped is named and left out."""
     saved = json.loads(archive.read_text()) if archive.is_file() else {}
     count = 0
     for path in sorted(root.glob("*/summary.json")):
         summary = json.loads(path.read_text())
-        if summary.get("config", {}).get("name") == path.parent.name:
-            saved[path.parent.name] = merge_cell(saved.get(path.parent.name), condense(summary, path.parent))
-            count += 1
-            for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
-                source = path.parent / label / figure
-                if source.is_file():
-                    shutil.copyfile(source, archive.with_name(f"{path.parent.name}-{Path(figure).stem}.png"))
+        config = summary.get("config", {})
+        if config.get("name") != path.parent.name:
+            continue
+        if missing := [m for m in config.get("methods", {}) if m not in summary.get("results", {})]:
+            print(f"not archived: {path.parent.name} has no result yet for {', '.join(missing)}")
+            continue
+        saved[path.parent.name] = merge_cell(saved.get(path.parent.name), condense(summary, path.parent))
+        count += 1
+        for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
+            source = path.parent / label / figure
+            if source.is_file():
+                shutil.copyfile(source, archive.with_name(f"{path.parent.name}-{Path(figure).stem}.png"))
     archive.write_text(json.dumps(dict(sorted(saved.items())), indent=1, sort_keys=True) + "\n")
     return count
 
