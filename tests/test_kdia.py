@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -252,3 +253,19 @@ def test_kdia_with_its_client_models_on_disk_equals_kdia_in_memory_and_resumes(t
     assert saved and all(same_weights(load_file(str(p)), load_file(str(tmp_path / "disk" / "full" / "kdia" / p.name)))
                          for p in saved)
     assert not (tmp_path / "disk" / "full" / "kdia" / "clientbook").exists()  # gone with the checkpoint
+
+
+def test_fedcog_js_divergence_matches_the_probability_form_and_keeps_finite_gradients():
+    from hetfl.fl.objectives import js_divergence
+
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 10), torch.randn(8, 10)
+    p, q = a.softmax(1).double(), b.softmax(1).double()
+    m = (p + q) / 2
+    slow = ((p * (p / m).log()).sum(1) + (q * (q / m).log()).sum(1)).mean() / 2
+    assert float(js_divergence(a, b)) == pytest.approx(float(slow), rel=1e-5)
+    far = torch.tensor([[200.0, 0.0, -50.0]], requires_grad=True)  # probabilities that underflow to 0
+    near = torch.tensor([[0.0, 100.0, 0.0]], requires_grad=True)
+    js_divergence(far, near).backward()
+    assert torch.isfinite(far.grad).all() and torch.isfinite(near.grad).all()
+    assert float(js_divergence(far, near)) == pytest.approx(math.log(2), rel=1e-6)  # disjoint: log 2

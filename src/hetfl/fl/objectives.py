@@ -189,10 +189,12 @@ def complement_labels(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def js_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """Jensen-Shannon divergence of two softmax distributions, batch mean."""
-    p, q = F.softmax(p_logits, dim=1), F.softmax(q_logits, dim=1)
-    m = ((p + q) / 2).clamp(min=1e-12).log()
-    return (F.kl_div(m, p, reduction="batchmean") + F.kl_div(m, q, reduction="batchmean")) / 2
+    """Jensen-Shannon divergence of two softmax distributions, batch mean, in log space: a probability
+    that underflows to 0 adds 0 with a finite gradient (``p log p`` on probabilities gives NaN there)."""
+    log_p, log_q = F.log_softmax(p_logits, dim=1), F.log_softmax(q_logits, dim=1)
+    log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+    return (F.kl_div(log_m, log_p, reduction="batchmean", log_target=True)
+            + F.kl_div(log_m, log_q, reduction="batchmean", log_target=True)) / 2
 
 
 class FedCOGTerm(Term):
