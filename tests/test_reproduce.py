@@ -205,3 +205,20 @@ def test_save_archives_only_cells_with_every_method_done(tmp_path, capsys):
     archive = tmp_path / "tiny-runs.json"
     assert save_archive(paper, root, archive) == 0 and json.loads(archive.read_text()) == {}
     assert f"not archived: {cell['name']} has no result yet for ensemble" in capsys.readouterr().out
+
+
+def test_the_page_counts_the_uploads_a_method_left_out(tmp_path):
+    paper = load_paper("kdia")
+    entry = {"method": "fedavg", "accuracy": 50.0, "best_accuracy": 60.0, "seconds": 10.0, "bytes_up": 1,
+             "bytes_down": 1, "params": {"rounds": 2}}
+    summary = {"config": {"methods": {"fedavg": {"rounds": 2}, "fedcog": {"rounds": 2}}}, "minutes": 1.0,
+               "results": {"fedavg": entry, "fedcog": {**entry, "method": "fedcog", "client_failures": [
+                   {"round": 2, "client": 4, "reason": "upload rejected: NaN"}]}},
+               "curves": {"fedavg": [[1, 40.0], [2, 60.0]], "fedcog": [[1, 40.0], [2, 50.0]]}}
+    cell = condense(summary)
+    assert cell["results"]["fedcog"]["left_out"] == 1 and "left_out" not in cell["results"]["fedavg"]
+    archive = tmp_path / "kdia-runs.json"
+    archive.write_text(json.dumps({cell_config(paper, "mnist", "0.1", 0, "reduced")["name"]: cell}))
+    write_results(paper, tmp_path / "no-runs", tmp_path / "kdia.md", archive)
+    assert "left out of their round" in (text := (tmp_path / "kdia.md").read_text())
+    assert "FedCOG at β=0.1: 1 in 1 cell." in text

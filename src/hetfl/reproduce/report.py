@@ -56,6 +56,8 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
                          bytes_down=r["bytes_down"], bytes_peer=r.get("bytes_peer", 0))
             if r.get("models"):
                 entry["models"] = {k: round(v, 2) for k, v in r["models"].items()}
+            if r.get("client_failures"):  # uploads rejected or client tasks failed, left out of their round
+                entry["left_out"] = len(r["client_failures"])
             if "curve" in entry and (mib := _mebibytes(folder, label, [s for s, _ in entry["curve"]])):
                 entry["mib"] = mib
         if isinstance(r.get("clusters"), dict):  # HFLDD's clustering
@@ -236,6 +238,7 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
              "round (clients and server, on the cell's machine; stages before the first round included); "
              "payload megabytes per cell.", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    left_out: list[str] = []
     for setting in paper.settings:
         runs = _runs(paper, cells, dataset, setting, budget)
         for label in paper.methods:
@@ -256,6 +259,12 @@ def _rounds_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: str
                    ", ".join(f"{m.split('[')[-1].rstrip(']')} {_mean(_values_of(got, label, m))}" for m in models)
                    or "-"]
             lines.append("| " + " | ".join(row) + " |")
+            if left := sum(r["results"][label].get("left_out", 0) for r in got):
+                left_out.append(f"{paper.label(label)} at {_settings_head(paper, setting)}: {left} "
+                                f"in {len(got)} cell{'s' * (len(got) != 1)}")
+    if left_out:
+        lines += ["", "Client uploads left out of their round (rejected by validation or a failed client task; "
+                  "`client_failures` in the run's summary.json): " + "; ".join(left_out) + "."]
     return lines
 
 
