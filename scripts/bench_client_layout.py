@@ -16,7 +16,6 @@ warm-up) and the speed-up of NHWC, and the largest logit difference of the two e
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -28,15 +27,15 @@ import torch.nn.functional as F
 from hetfl.data.base import ImageDataset
 from hetfl.fl.objectives import js_divergence
 from hetfl.fl.training import predict_logits
+from hetfl.methods.common import frozen
 from hetfl.models import build_model
 
 NHWC = torch.channels_last
 
 
-def frozen(model: torch.nn.Module, nhwc: bool) -> torch.nn.Module:
-    model = copy.deepcopy(model).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+def frozen_model(nhwc: bool) -> torch.nn.Module:
+    """A fresh simple CNN, frozen, in NHWC or NCHW."""
+    (model,) = frozen([build_model("simplecnn", 1, 28, 10)], "cpu")
     return model.to(memory_format=NHWC) if nhwc else model
 
 
@@ -48,7 +47,7 @@ def timed(fn: Callable[[], object], calls: int) -> float:
 
 
 def fedcog_step(nhwc: bool) -> Callable[[], None]:
-    g, p = frozen(build_model("simplecnn", 1, 28, 10), nhwc), frozen(build_model("simplecnn", 1, 28, 10), nhwc)
+    g, p = frozen_model(nhwc), frozen_model(nhwc)
     y = torch.randint(0, 10, (256,))
     x = torch.randn(256, 1, 28, 28).contiguous(memory_format=NHWC if nhwc else torch.contiguous_format)
     x.requires_grad_(True)
@@ -65,7 +64,7 @@ def fedcog_step(nhwc: bool) -> Callable[[], None]:
 
 def kd_step(nhwc_teacher: bool) -> Callable[[], None]:
     student = build_model("simplecnn", 1, 28, 10).to(memory_format=NHWC)
-    teacher = frozen(build_model("simplecnn", 1, 28, 10), nhwc_teacher)
+    teacher = frozen_model(nhwc_teacher)
     opt = torch.optim.SGD(student.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(64, 1, 28, 28).contiguous(memory_format=NHWC)
     y = torch.randint(0, 10, (64,))

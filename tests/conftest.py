@@ -54,6 +54,6 @@ def tiny_config() -> dict:
     return copy.deepcopy(TINY_CONFIG)
 
 
-@pytest.fixture(scope="session")
-def synthetic_small():
+@pytest.fixture
+def synthetic_small():  # tiny (20 ms): a fresh copy per test, none shared
     return load_synthetic(classes=4, channels=1, size=16, train_per_class=60, test_per_class=30, seed=3)

@@ -41,13 +41,18 @@ def _seeds(text: str | None, default: list[int]) -> list[int]:
         raise ConfigError(f"--seeds: expected integers such as 0,1,2, got {text!r}") from err
 
 
+def missing_methods(summary: dict[str, Any], methods: Any) -> list[str]:
+    """Those of ``methods`` with no result in the cell's summary."""
+    return [m for m in methods if m not in summary.get("results", {})]
+
+
 def finished(out: Path, methods: list[str]) -> dict[str, Any] | None:
     """The cell's summary if it has a result for every one of ``methods``."""
     path = out / "summary.json"
     if not path.is_file():
         return None
     summary = json.loads(path.read_text())
-    return summary if set(methods) <= set(summary.get("results", {})) else None
+    return None if missing_methods(summary, methods) else summary
 
 
 def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str | None, device: str | None,
@@ -129,7 +134,7 @@ def save_archive(paper: Paper, root: Path, archive: Path) -> int:
         config = summary.get("config", {})
         if config.get("name") != path.parent.name:
             continue
-        if missing := [m for m in config.get("methods", {}) if m not in summary.get("results", {})]:
+        if missing := missing_methods(summary, config.get("methods", {})):
             print(f"not archived: {path.parent.name} has no result yet for {', '.join(missing)}")
             continue
         saved[path.parent.name] = merge_cell(saved.get(path.parent.name), condense(summary, path.parent))
