@@ -186,6 +186,25 @@ def test_simplecnn_feature_map(channels: int, size: int) -> None:
         assert torch.allclose(model.classify(h), model.head(z))
 
 
+@pytest.mark.parametrize(("channels", "size"), INPUTS)
+def test_simplecnn_skipped_pool_is_bit_identical(channels: int, size: int) -> None:
+    """The 5x5 fit is skipped where the map is already 5x5 (28, 32 px): the same values and gradients
+    as nn.AdaptiveAvgPool2d, bit for bit; at 64 px it still pools."""
+    torch.manual_seed(0)
+    model = build("simplecnn", channels, size)
+    reference = copy.deepcopy(model)
+    reference.extractor[6] = nn.AdaptiveAvgPool2d((5, 5))
+    x = images(channels, size, n=4)
+    outs = []
+    for m in (model, reference):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi)
+        out.sum().backward()
+        outs.append((out, xi.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert isinstance(model.extractor[6], nn.AdaptiveAvgPool2d)
+
+
 def test_model_spec_round_trip() -> None:
     spec = ModelSpec("lenet5", 1, 28, NUM_CLASSES)
     torch.manual_seed(3)

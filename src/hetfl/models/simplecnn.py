@@ -3,7 +3,7 @@
 Extractor: Conv5x5(6)-MaxPool2-ReLU-Conv5x5(16)-MaxPool2-ReLU, a 16x5x5 map at 32 px.
 Inputs smaller than 32 px (e.g. 28 px MNIST) pad the first conv by 2 so they also give
 16x5x5.  Other sizes (e.g. 64 px, which gives 16x13x13) end with an adaptive average
-pool to 5x5; at 28 and 32 px that pool is an exact identity.
+pool to 5x5; at 28 and 32 px that pool is an exact identity and is skipped (:class:`FitMap`).
 
 Classifier: Flatten(400) -> FC120-ReLU -> FC84-ReLU -> FC84-ReLU -> FC 84->256 (the
 projection ``z`` used by MOON's contrastive loss) -> FC 256->C.
@@ -21,6 +21,16 @@ from .base import HetflModel
 FEATURE_MAP = (16, 5, 5)
 
 
+class FitMap(nn.AdaptiveAvgPool2d):
+    """An adaptive average pool that returns a map already of its output size as it is (the pool
+    would divide each pixel by 1: the same values, at a cost in every forward and backward pass)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if tuple(x.shape[-2:]) == tuple(self.output_size):
+            return x
+        return super().forward(x)
+
+
 class SimpleCNN(HetflModel):
     arch = "simplecnn"
     min_image_size = 12
@@ -35,7 +45,7 @@ class SimpleCNN(HetflModel):
             nn.Conv2d(6, 16, 5),
             nn.MaxPool2d(2),
             nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(FEATURE_MAP[1:]),
+            FitMap(FEATURE_MAP[1:]),
         )
         c, h, w = FEATURE_MAP
         self.body = nn.Sequential(
