@@ -430,9 +430,38 @@ def test_cpu_bf16_units_read_the_flags_line():
         assert cpu_bf16_units() == cpu_bf16_units(cpuinfo.read_text())
 
 
+def test_code_revision_names_the_commit_and_a_dirty_tree(tmp_path):
+    """A result names the git commit of the code that ran it, +dirty with changed tracked files; None
+    outside a checkout."""
+    import subprocess
+
+    from hetfl.engine.environment import code_revision
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    assert code_revision.__wrapped__(str(pkg)) is None
+    git("init", "-q")
+    (pkg / "m.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "--short=12", "HEAD")
+    assert code_revision.__wrapped__(str(pkg)) == head
+    (tmp_path / "outside.txt").write_text("not tracked, not the package\n")
+    assert code_revision.__wrapped__(str(pkg)) == head
+    (pkg / "m.py").write_text("x = 2\n")
+    assert code_revision.__wrapped__(str(pkg)) == head + "+dirty"
+
+
 def test_a_finished_stage_leaves_no_checkpoint_unless_asked(tmp_path, tiny_config):
+    from hetfl.engine.environment import code_revision
+
     tiny_config["methods"] = {"fedavg": {"rounds": 2}}
-    run(tiny_config, tmp_path / "run")
+    summary = run(tiny_config, tmp_path / "run")
+    assert summary["results"]["fedavg"]["code"] == summary["environment"]["code"] == code_revision()
     assert not list((tmp_path / "run" / "fedavg").glob("checkpoint*"))
     run(tiny_config, tmp_path / "kept", keep_checkpoints=True)
     assert (tmp_path / "kept" / "fedavg" / "checkpoint.safetensors").is_file()

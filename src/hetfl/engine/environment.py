@@ -1,11 +1,13 @@
-"""The machine a run used, as its summary records it (``environment``): versions, thread count, the
-processor and its bf16 units, allocator and denormal settings, the accelerator. Timings are only
-comparable between runs whose environments agree.
+"""The machine a run used, as its summary records it (``environment``): versions, the code's git
+revision, thread count, the processor and its bf16 units, allocator and denormal settings, the
+accelerator. Timings are only comparable between runs whose environments agree.
 """
 
 from __future__ import annotations
 
+import functools
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from hetfl.host import flush_denormal_setting, malloc_setting
 def run_environment(device: torch.device) -> dict[str, Any]:
     """What a summary records of the machine a run on ``device`` used (its ``environment``): versions,
     thread count, processor and its bf16 units, allocator and denormal settings, accelerator."""
-    return {"hetfl": hetfl.__version__, "torch": torch.__version__,
+    return {"hetfl": hetfl.__version__, "code": code_revision(), "torch": torch.__version__,
             "device": str(device), "threads": torch.get_num_threads(),
             "machine": platform.machine(), "python": platform.python_version(),
             "cpu": processor_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -27,6 +29,24 @@ def run_environment(device: torch.device) -> dict[str, Any]:
             "bf16_native": bf16_native(device.type), "malloc": malloc_setting(),
             "flush_denormal": flush_denormal_setting(),
             "accelerator": accelerator_name(device)}
+
+
+@functools.lru_cache(maxsize=1)
+def code_revision(package: str | None = None) -> str | None:
+    """The git commit (12 hex digits) of the checkout hetfl runs from, with ``+dirty`` when its tracked
+    files under the package differ from it; None outside a git checkout (an installed wheel) or
+    without git. Read once per process: the code a run imported. ``package``: another folder, for tests."""
+    folder = Path(package or Path(hetfl.__file__).parent)
+    try:
+        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        changed = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
 
 
 def cpuinfo_value(key: str, cpuinfo: str | None = None) -> str | None:

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 import hetfl.methods  # noqa: F401  (registers methods and client tasks)
 from hetfl.config import SIMULATOR_KEYS
 from hetfl.data import ImageDataset
-from hetfl.engine.environment import run_environment
+from hetfl.engine.environment import code_revision, run_environment
 from hetfl.engine.experiment import Experiment, prepare  # noqa: F401  (prepare: callers import it from here)
 from hetfl.engine.uploads import ClientExchange, Transport
 from hetfl.fl.cache import uploads_digest
@@ -401,6 +401,7 @@ class Simulator:
             "per_class": final["per_class"],
             **({"models": {k: r["accuracy"] for k, r in reports.items()}} if len(models) > 1 else {}),
             "params": method.params,  # the settings it ran with, defaults filled in (they change between versions)
+            "code": code_revision(),  # the git revision that ran it (a resumed cell's methods may differ)
             **ctx.record,
         }
         if len(models) > 1 and self._models_history.get(name):

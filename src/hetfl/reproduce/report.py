@@ -56,6 +56,8 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
                          bytes_down=r["bytes_down"], bytes_peer=r.get("bytes_peer", 0))
             if r.get("models"):
                 entry["models"] = {k: round(v, 2) for k, v in r["models"].items()}
+            if r.get("code"):  # the git revision that ran the method
+                entry["code"] = r["code"]
             if r.get("client_failures"):  # uploads rejected or client tasks failed, left out of their round
                 entry["left_out"] = len(r["client_failures"])
             if "curve" in entry and (mib := _mebibytes(folder, label, [s for s, _ in entry["curve"]])):
