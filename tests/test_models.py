@@ -284,6 +284,51 @@ def test_upsample_conv3x3_equals_nearest_upsampling_then_the_conv_values_and_gra
     torch.testing.assert_close(xc.grad, xr.grad, rtol=0, atol=1e-11)  # the same gradient in either layout
 
 
+@pytest.mark.parametrize(("bias", "size"), [(True, 1), (True, 3), (False, 4)])
+def test_conv_transpose2x2_equals_the_library_transposed_conv_values_and_gradients(bias, size):
+    """One GEMM and four shifted adds against F.conv_transpose2d (2x2, stride 1; float64), on a 1 x 1
+    map (the feature generator's first layer) and larger ones."""
+    import torch.nn.functional as F
+
+    from hetfl.models.generator import conv_transpose2x2
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, size, size + 1, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, 2, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True) if bias else None
+    ref, new = F.conv_transpose2d(x, w, b), conv_transpose2x2(x, w, b)
+    assert new.shape == ref.shape == (3, 4, size + 1, size + 2)
+    torch.testing.assert_close(new, ref, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(ref)
+    inputs = (x, w) + ((b,) if bias else ())
+    for g_new, g_ref in zip(torch.autograd.grad(new, inputs, grad_out), torch.autograd.grad(ref, inputs, grad_out)):
+        torch.testing.assert_close(g_new, g_ref, rtol=0, atol=1e-11)
+    with pytest.raises(ValueError, match="2x2 kernel"):
+        conv_transpose2x2(x, torch.randn(5, 4, 3, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_feature_generator_equals_its_layers_run_one_by_one(train):
+    """KDIA's generator (GEMM transposed convolutions) against its nn.Sequential run as is: outputs,
+    BN running statistics and parameter gradients (float64)."""
+    from hetfl.models.generator import FeatureGenerator
+
+    torch.manual_seed(2)
+    gen = FeatureGenerator(12, 10, (16, 5, 5)).double().train(train)
+    plain = copy.deepcopy(gen)
+    noise, labels = torch.randn(6, 12, dtype=torch.float64), torch.randint(0, 10, (6,))
+    out = gen(noise, labels)
+    ref = plain.net(torch.cat([noise, plain.embed(labels)], dim=1)[:, :, None, None])
+    assert out.shape == (6, 16, 5, 5) and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for (name, a), b in zip(gen.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=name)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(gen.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_fused_generator_is_the_layer_by_layer_generator_in_train_and_eval(channels_last):
     """Same parameters, same outputs, same BN running statistics, same parameter gradients."""

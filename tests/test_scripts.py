@@ -104,3 +104,16 @@ def test_bench_client_layout_reports_both_layouts_and_equal_logits():
     for name in ("evaluate", "fedcog", "kd"):
         assert result[name]["nchw_ms"] > 0 and result[name]["nhwc_ms"] > 0
     assert result["evaluate"]["max_logit_diff"] < 1e-4
+
+
+def test_bench_feature_generator_reports_both_forms_and_equal_outputs():
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_feature_generator.py"
+    done = subprocess.run([sys.executable, str(script), "--repeats", "1", "--heads", "2", "--batch", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for name in ("train", "generate"):
+        assert result[name]["library_ms"] > 0 and result[name]["gemm_ms"] > 0
+    assert result["max_diff"] < 1e-5

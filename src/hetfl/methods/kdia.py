@@ -131,7 +131,8 @@ class KDIA(ServerGenerator, FedAvgRounds):
         self.generator = FeatureGenerator(int(self.params["noise_dim"]), ctx.num_classes,
                                           tuple(self.global_model.feature_shape)).to(ctx.device)
         self.gen_opt = torch.optim.Adam(self.generator.parameters(), lr=float(self.params["gen_lr"]),
-                                        weight_decay=float(self.params["gen_weight_decay"]))
+                                        weight_decay=float(self.params["gen_weight_decay"]),
+                                        fused=ctx.device.type == "cpu")  # one kernel for all parameters
         select = self.params["select"]
         self.select = select if select != "auto" else ("val" if ctx.validate(self.teacher) is not None else "teacher")
         self._picked: tuple[int, str] | None = None  # (round evaluated, model label) under select: val

@@ -175,8 +175,30 @@ class FeatureGenerator(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, noise: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        z = torch.cat([noise, self.embed(labels)], dim=1)
-        return self.net(z[:, :, None, None])
+        h = torch.cat([noise, self.embed(labels)], dim=1)[:, :, None, None]
+        for layer in self.net:  # the transposed convolutions as GEMMs (conv_transpose2x2)
+            h = conv_transpose2x2(h, layer.weight, layer.bias) if isinstance(layer, nn.ConvTranspose2d) else layer(h)
+        return h.contiguous()
+
+
+def conv_transpose2x2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.conv_transpose2d(x, weight, bias)`` for a 2 x 2 kernel, stride 1, no padding: one GEMM of the
+    (B H W, C_in) pixels by the (C_in, 4 C_out) taps, then each tap's (B, H, W, C_out) map added at its
+    offset into the (H+1) x (W+1) output. The same function up to float summation order; the library's
+    transposed convolution is several times slower on a 1 x 1 input and on the few-pixel maps of
+    :class:`FeatureGenerator` (docs/BENCHMARKS.md). Returns an NCHW-shaped view of NHWC memory."""
+    if weight.shape[-2:] != (2, 2):
+        raise ValueError(f"conv_transpose2x2 needs a 2x2 kernel, got {tuple(weight.shape[-2:])}")
+    b, c_in, h, w = x.shape
+    c_out = weight.shape[1]
+    taps = (x.permute(0, 2, 3, 1).reshape(b * h * w, c_in) @ weight.reshape(c_in, c_out * 4))
+    taps = taps.view(b, h, w, c_out, 2, 2)
+    out = (bias.expand(b, h + 1, w + 1, c_out).clone() if bias is not None
+           else taps.new_zeros(b, h + 1, w + 1, c_out))
+    for a in (0, 1):
+        for c in (0, 1):
+            out[:, a:a + h, c:c + w] += taps[..., a, c]
+    return out.permute(0, 3, 1, 2)
 
 
 class LatentGenerator(nn.Module):
