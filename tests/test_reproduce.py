@@ -129,6 +129,7 @@ def test_a_cell_stopped_in_a_method_keeps_the_results_of_earlier_runs(tmp_path, 
         run_cell(three[0], root, None, None, "cpu", 1, True)
     summary = json.loads((root / three[0]["name"] / "summary.json").read_text())
     assert list(summary["results"]) == ["fedavg", "ensemble"]  # the first run's fedavg is still there
+    assert set(summary["config"]["methods"]) == {"fedavg", "ensemble", "twice"}  # and its settings
     assert summary["minutes"] > minutes  # the first run's minutes and the stopped run's so far
 
 

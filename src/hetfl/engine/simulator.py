@@ -69,6 +69,7 @@ class Simulator:
         self.exp = exp
         self.keep_checkpoints = keep_checkpoints  # False: a method's checkpoints go once its results are written
         self.prior_results: dict[str, Any] = {}  # results of an earlier run into out_dir, kept in summary.json
+        self.prior_methods: dict[str, Any] = {}  # and the settings of its methods, kept in the summary's config
         self.prior_minutes: float | None = None  # set: summary.json counts minutes (earlier runs' + this one's)
         self._created = time.perf_counter()
         self._val_history: dict[str, list[float | None]] = {}  # per method, aligned with its test accuracies
@@ -450,7 +451,7 @@ class Simulator:
 
     def write_summary(self, results: dict[str, Any]) -> dict[str, Any]:
         summary = {
-            "config": self.exp.cfg,
+            "config": {**self.exp.cfg, "methods": {**self.prior_methods, **self.exp.cfg["methods"]}},
             "results": {**self.prior_results, **results},
             "clients": {"archs": self.exp.archs,
                         **({"sizes": self.exp.partition.sizes.tolist(),

@@ -51,7 +51,8 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
         curve = _curve(summary, label, folder)
         if len(curve) > 1:
             entry["curve"] = [[s, round(a, 2)] for s, a in curve]
-        if summary.get("config", {}).get("methods", {}).get(label, {}).get("rounds", 1) > 1:  # multi-round
+        settings = summary.get("config", {}).get("methods", {}).get(label) or r.get("params", {})
+        if settings.get("rounds", 1) > 1:  # multi-round
             entry.update(rounds=r["params"]["rounds"], seconds=round(r["seconds"], 1), bytes_up=r["bytes_up"],
                          bytes_down=r["bytes_down"], bytes_peer=r.get("bytes_peer", 0))
             if r.get("models"):

@@ -76,10 +76,10 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str
     start = time.perf_counter()
     sim = Simulator(prepare(validate({**cfg, "methods": todo}), data_root), out, cache, quiet=quiet)
     # a stop before the cell ends leaves every finished method and the minutes so far in summary.json
+    # (written after every method, so a stop in a later one loses none of them)
     sim.prior_results, sim.prior_minutes = done, prior.get("minutes", 0.0)
+    sim.prior_methods = prior.get("config", {}).get("methods", {})
     summary = sim.run()
-    summary["results"] = {**done, **summary["results"]}
-    summary["config"]["methods"] = {**prior.get("config", {}).get("methods", {}), **summary["config"]["methods"]}
     summary["minutes"] = prior.get("minutes", 0.0) + (time.perf_counter() - start) / 60
     tmp = path.with_name("summary.json.tmp")
     tmp.write_text(json.dumps(summary, indent=1))
