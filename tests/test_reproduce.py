@@ -1,5 +1,6 @@
 """`hetfl reproduce`: paper grids as data, the generic grid runner and the results page."""
 
+import argparse
 import json
 from pathlib import Path
 
@@ -190,6 +191,36 @@ def test_a_cell_run_in_parts_keeps_the_archived_methods_it_did_not_run(tmp_path)
         assert cell["minutes"] == round(10.0 + new["minutes"] - 1.0, 1)  # less the fedavg run again
         assert cell["machine"] == f"an old CPU and {new['machine']}"
     assert load_cells(root, tmp_path / "none.json")[name] == new  # nothing archived: the runs folder's cell
+
+
+def test_rerun_runs_a_finished_method_again_and_drops_its_old_minutes(tmp_path, monkeypatch, capsys):
+    from hetfl.reproduce import runner
+    from hetfl.reproduce.runner import drop_results
+
+    paper = Paper("tiny", TINY_PAPER)
+    root = tmp_path / "runs"
+    cell = grid(paper, "quick", ["synthetic"], ["0.5"], [0])[0]
+    run_grid([cell], root, None, None, "cpu", 1, True)
+    path = root / cell["name"] / "summary.json"
+    before = json.loads(path.read_text())
+    before["minutes"] = 5.0
+    before["results"]["ensemble"]["seconds"] = 60.0
+    path.write_text(json.dumps(before))
+    monkeypatch.setattr(runner, "load_paper", lambda name: paper)
+    args = argparse.Namespace(paper="tiny", budget=None, ablation=False, jobs=1, out=str(root),
+                              results=str(tmp_path / "tiny.md"), report_only=False, datasets="synthetic",
+                              settings="0.5", seeds="0", methods=None, rerun="ensemble", no_cache=True,
+                              cache_dir=None, data_root=None, device="cpu", quiet=True, save=False)
+    runner.main(args)
+    assert f"{cell['name']}: running ensemble again" in capsys.readouterr().out
+    after = json.loads(path.read_text())
+    assert after["results"]["fedavg"] == before["results"]["fedavg"]  # not asked: kept
+    assert after["results"]["ensemble"]["seconds"] != 60.0  # run again
+    assert 4.0 < after["minutes"] < 5.0 + 1.0  # 5 less the old ensemble's minute, plus the rerun's time
+    assert drop_results(root / cell["name"], ["twice"]) == []  # no result: nothing to drop
+    assert drop_results(tmp_path / "nowhere", ["fedavg"]) == []
+    with pytest.raises(ConfigError, match="--rerun: unknown"):
+        runner.main(argparse.Namespace(**{**vars(args), "rerun": "nope"}))
 
 
 def test_save_archives_only_cells_with_every_method_done(tmp_path, capsys):

@@ -46,6 +46,29 @@ def missing_methods(summary: dict[str, Any], methods: Any) -> list[str]:
     return [m for m in methods if m not in summary.get("results", {})]
 
 
+def drop_results(out: Path, methods: list[str]) -> list[str]:
+    """Forget the finished results of ``methods`` in the cell at ``out`` so that the grid runs them again
+    (``--rerun``, e.g. after a fix to one method): their results leave summary.json, its minutes lose
+    their seconds, and their folders go. A method with no result yet is left alone, so a stopped rerun
+    resumes from its checkpoint. Returns the methods dropped."""
+    path = out / "summary.json"
+    if not path.is_file():
+        return []
+    summary = json.loads(path.read_text())
+    dropped = [m for m in methods if m in summary.get("results", {})]
+    if not dropped:
+        return []
+    seconds = sum(float(summary["results"].pop(m).get("seconds", 0.0)) for m in dropped)
+    if "minutes" in summary:
+        summary["minutes"] = max(0.0, summary["minutes"] - seconds / 60)
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)
+    for m in dropped:
+        shutil.rmtree(out / m, ignore_errors=True)
+    return dropped
+
+
 def finished(out: Path, methods: list[str]) -> dict[str, Any] | None:
     """The cell's summary if it has a result for every one of ``methods``."""
     path = out / "summary.json"
@@ -167,6 +190,11 @@ def main(args: argparse.Namespace) -> int:
                      else paper.budget_grid(budget, "settings"),
                      _seeds(args.seeds, paper.budget_grid(budget, "seeds")),
                      _choices("--methods", args.methods, paper.budget_methods(budget)) if args.methods else None)
+        if getattr(args, "rerun", None):
+            again = _choices("--rerun", args.rerun, sorted({m for c in cells for m in c["methods"]}))
+            for cell in cells:
+                if dropped := drop_results(root / cell["name"], [m for m in again if m in cell["methods"]]):
+                    print(f"{cell['name']}: running {', '.join(dropped)} again")
         cache = None if args.no_cache else Path(args.cache_dir)
         failed = run_grid(cells, root, cache, args.data_root, args.device, args.jobs, args.quiet,
                           after=lambda: write_results(paper, root, results, archive))
@@ -189,6 +217,9 @@ def add_arguments(rep: argparse.ArgumentParser) -> None:
     rep.add_argument("--seeds", default=None, help="comma-separated (default: the paper's seeds)")
     rep.add_argument("--methods", default=None, help="comma-separated labels (default: the budget's methods)")
     rep.add_argument("--ablation", action="store_true", help="the paper's ablation budget (where it has one)")
+    rep.add_argument("--rerun", default=None,
+                     help="comma-separated labels: run these methods of the chosen cells again even where "
+                          "finished (their old results and minutes are dropped)")
     rep.add_argument("--jobs", type=int, default=1, help="cells run at once (each gets cpus/jobs threads)")
     rep.add_argument("--report-only", action="store_true", help="only rewrite the results page")
     rep.add_argument("--save", action="store_true",
