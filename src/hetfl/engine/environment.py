@@ -35,7 +35,8 @@ def run_environment(device: torch.device) -> dict[str, Any]:
 def code_revision(package: str | None = None) -> str | None:
     """The git commit (12 hex digits) of the checkout hetfl runs from, with ``+dirty`` when its tracked
     files under the package differ from it; None outside a git checkout (an installed wheel) or
-    without git. Read once per process: the code a run imported. ``package``: another folder, for tests."""
+    without git. Read once per process (a simulator reads it as it starts: the code the run imported).
+    ``package``: another folder, for tests."""
     folder = Path(package or Path(hetfl.__file__).parent)
     try:
         head = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short=12", "HEAD"],

@@ -71,6 +71,7 @@ class Simulator:
         self.prior_results: dict[str, Any] = {}  # results of an earlier run into out_dir, kept in summary.json
         self.prior_methods: dict[str, Any] = {}  # and the settings of its methods, kept in the summary's config
         self.prior_minutes: float | None = None  # set: summary.json counts minutes (earlier runs' + this one's)
+        code_revision()  # read now (it is kept): the code this run started with, not a later edit's
         self._created = time.perf_counter()
         self._val_history: dict[str, list[float | None]] = {}  # per method, aligned with its test accuracies
         self._models_history: dict[str, dict[str, list[float | None]]] = {}  # per method, every model's accuracies
