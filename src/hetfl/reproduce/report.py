@@ -141,7 +141,7 @@ def _dataset_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: st
         for setting in settings:
             runs = _runs(paper, cells, dataset, setting, budget)
             final = _values(runs, label, "final")
-            row.append(f"{statistics.fmean(final):.2f} (n={len(final)})" if final else "not run")
+            row.append(f"{_mean(final)} (n={len(final)})" if final else "not run")
             if val:
                 row.append(_mean(_values(runs, label, "val")))
             row += [_mean(_values(runs, label, "best")), paper.published_value(dataset, label, setting) or "-"]
