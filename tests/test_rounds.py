@@ -174,7 +174,7 @@ def test_moon_term_is_zero_at_a_first_participation_then_uses_the_stored_model()
         z_prev = model.projection(model.extract(x))
     sims = torch.stack([cos(z, z_g, dim=-1), cos(z, z_prev, dim=-1)], dim=1) / 0.5
     expected = 5.0 * -torch.log_softmax(sims, dim=1)[:, 0].mean()
-    assert float(terms[0](other, x, y, other.head(z), z).detach()) == pytest.approx(float(expected), rel=1e-5)
+    assert float(terms[0](other, x, y, other.head(z), z).detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
 
 
 def test_fedavg_tensor_bytes_follow_the_communication_equation(tmp_path, tiny_config):
