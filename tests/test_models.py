@@ -251,6 +251,14 @@ def test_generator_reset_draws_the_same_weights_in_either_layout():
     assert int(torch.count_nonzero(gens[0].conv_blocks[0].bias.detach())) == 0
 
 
+def assert_same_gradients(new: torch.Tensor, ref: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                          atol: float = 1e-11) -> None:
+    """The gradients of ``new`` and ``ref`` with respect to ``inputs`` agree for one random output gradient."""
+    grad_out = torch.randn_like(ref)
+    for g_new, g_ref in zip(torch.autograd.grad(new, inputs, grad_out), torch.autograd.grad(ref, inputs, grad_out)):
+        torch.testing.assert_close(g_new, g_ref, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_upsample_conv3x3_equals_nearest_upsampling_then_the_conv_values_and_gradients(bias):
     """The low-resolution form of Up x2 -> Conv3x3 against the two layers one by one (float64)."""
@@ -266,10 +274,7 @@ def test_upsample_conv3x3_equals_nearest_upsampling_then_the_conv_values_and_gra
     new = upsample_conv3x3(x, w, b)
     assert new.shape == ref.shape == (3, 4, 14, 12)
     torch.testing.assert_close(new, ref, rtol=0, atol=1e-12)
-    grad_out = torch.randn_like(ref)
-    inputs = (x, w) + ((b,) if bias else ())
-    for g_new, g_ref in zip(torch.autograd.grad(new, inputs, grad_out), torch.autograd.grad(ref, inputs, grad_out)):
-        torch.testing.assert_close(g_new, g_ref, rtol=0, atol=1e-11)
+    assert_same_gradients(new, ref, (x, w) + ((b,) if bias else ()))
     with pytest.raises(ValueError, match="3x3 kernel"):
         upsample_conv3x3(x, torch.randn(4, 5, 5, 5, dtype=torch.float64))
     xc = x.detach().to(memory_format=torch.channels_last).requires_grad_(True)  # the layout is kept
@@ -299,10 +304,7 @@ def test_conv_transpose2x2_equals_the_library_transposed_conv_values_and_gradien
     ref, new = F.conv_transpose2d(x, w, b), conv_transpose2x2(x, w, b)
     assert new.shape == ref.shape == (3, 4, size + 1, size + 2)
     torch.testing.assert_close(new, ref, rtol=0, atol=1e-12)
-    grad_out = torch.randn_like(ref)
-    inputs = (x, w) + ((b,) if bias else ())
-    for g_new, g_ref in zip(torch.autograd.grad(new, inputs, grad_out), torch.autograd.grad(ref, inputs, grad_out)):
-        torch.testing.assert_close(g_new, g_ref, rtol=0, atol=1e-11)
+    assert_same_gradients(new, ref, (x, w) + ((b,) if bias else ()))
     with pytest.raises(ValueError, match="2x2 kernel"):
         conv_transpose2x2(x, torch.randn(5, 4, 3, 3, dtype=torch.float64))
 

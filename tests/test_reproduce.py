@@ -193,15 +193,21 @@ def test_a_cell_run_in_parts_keeps_the_archived_methods_it_did_not_run(tmp_path)
     assert load_cells(root, tmp_path / "none.json")[name] == new  # nothing archived: the runs folder's cell
 
 
-def test_rerun_runs_a_finished_method_again_and_drops_its_old_minutes(tmp_path, monkeypatch, capsys):
-    from hetfl.reproduce import runner
-    from hetfl.reproduce.runner import drop_results
-
+def finished_tiny_cell(tmp_path: Path) -> tuple[Paper, Path, dict, Path]:
+    """The tiny paper, its runs folder, and one cell run to the end there (fedavg, ensemble), with the
+    path of its summary.json."""
     paper = Paper("tiny", TINY_PAPER)
     root = tmp_path / "runs"
     cell = grid(paper, "quick", ["synthetic"], ["0.5"], [0])[0]
     run_grid([cell], root, None, None, "cpu", 1, True)
-    path = root / cell["name"] / "summary.json"
+    return paper, root, cell, root / cell["name"] / "summary.json"
+
+
+def test_rerun_runs_a_finished_method_again_and_drops_its_old_minutes(tmp_path, monkeypatch, capsys):
+    from hetfl.reproduce import runner
+    from hetfl.reproduce.runner import drop_results
+
+    paper, root, cell, path = finished_tiny_cell(tmp_path)
     before = json.loads(path.read_text())
     before["minutes"] = 5.0
     before["results"]["ensemble"]["seconds"] = 60.0
@@ -226,11 +232,7 @@ def test_rerun_runs_a_finished_method_again_and_drops_its_old_minutes(tmp_path, 
 def test_save_archives_only_cells_with_every_method_done(tmp_path, capsys):
     from hetfl.reproduce.runner import save_archive
 
-    paper = Paper("tiny", TINY_PAPER)
-    root = tmp_path / "runs"
-    cell = grid(paper, "quick", ["synthetic"], ["0.5"], [0])[0]
-    run_grid([cell], root, None, None, "cpu", 1, True)
-    path = root / cell["name"] / "summary.json"
+    paper, root, cell, path = finished_tiny_cell(tmp_path)
     summary = json.loads(path.read_text())
     del summary["results"]["ensemble"]  # as a cell stopped before its last method
     path.write_text(json.dumps(summary))

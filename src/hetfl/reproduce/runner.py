@@ -46,6 +46,13 @@ def missing_methods(summary: dict[str, Any], methods: Any) -> list[str]:
     return [m for m in methods if m not in summary.get("results", {})]
 
 
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write a cell's summary.json atomically (a stop mid-write never leaves half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)
+
+
 def drop_results(out: Path, methods: list[str]) -> list[str]:
     """Forget the finished results of ``methods`` in the cell at ``out`` so that the grid runs them again
     (``--rerun``, e.g. after a fix to one method): their results leave summary.json, its minutes lose
@@ -61,9 +68,7 @@ def drop_results(out: Path, methods: list[str]) -> list[str]:
     seconds = sum(float(summary["results"].pop(m).get("seconds", 0.0)) for m in dropped)
     if "minutes" in summary:
         summary["minutes"] = max(0.0, summary["minutes"] - seconds / 60)
-    tmp = path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, path)
+    write_summary(path, summary)
     for m in dropped:
         shutil.rmtree(out / m, ignore_errors=True)
     return dropped
@@ -104,9 +109,7 @@ def run_cell(cfg: dict[str, Any], root: Path, cache: Path | None, data_root: str
     sim.prior_methods = prior.get("config", {}).get("methods", {})
     summary = sim.run()
     summary["minutes"] = prior.get("minutes", 0.0) + (time.perf_counter() - start) / 60
-    tmp = path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, path)
+    write_summary(path, summary)
     return cfg["name"]
 
 
