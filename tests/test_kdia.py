@@ -70,6 +70,16 @@ def test_kdia_runs_reports_student_teacher_and_the_pick_and_counts_generator_byt
     assert rows[-1]["models_val"][picked] == max(rows[-1]["models_val"].values())
 
 
+def test_kdia_without_its_terms_is_fedavg_and_sends_only_the_student(tmp_path, tiny_config):
+    plain = {k: v for k, v in KDIA.items() if not k.startswith("gen_")}
+    cfg = round_config(tiny_config, fedavg=plain, kdia={**KDIA, "lambda_kd": 0.0, "lambda_gen": 0.0,
+                                                          "select": "student"})
+    res = run(cfg, tmp_path)["results"]
+    assert res["kdia"]["accuracy"] == res["fedavg"]["accuracy"]
+    sent, plain_sent = res["kdia"]["tensor_bytes"], res["fedavg"]["tensor_bytes"]  # headers carry the terms
+    assert sent["down"] == plain_sent["down"] and sent["up"]["model"] == plain_sent["up"]["model"]
+
+
 @pytest.mark.parametrize(("change", "key"), [
     ({"select": "val"}, "select: val needs a validation split"),
     ({"teacher_weights": "median"}, "methods.kdia.teacher_weights"),

@@ -75,6 +75,24 @@ def test_kdia_smoke_budget_runs_every_method_and_writes_the_page(tmp_path, capsy
     assert "lambda_gen" not in cell_config(load_paper("kdia"), "mnist", "0.5", 0, "reduced")["methods"]["kdia"]
 
 
+@pytest.mark.parametrize("setting", ["0.1", "0.5"])
+def test_kdia_ablation_variants_differ_from_kdia_in_their_own_keys_only(setting):
+    cell = cell_config(load_paper("kdia"), "fmnist", setting, 0, "ablation")
+    methods = cell["methods"]
+    assert set(methods) == {"kdia", "kdia_am", "kdia_intv", "kdia_part", "kdia_num", "kdia_no_kd", "kdia_no_gen"}
+    base = methods["kdia"]
+    own = {"kdia_am": {"teacher_weights": "am", "select": "teacher"},
+           "kdia_intv": {"teacher_weights": "intv", "select": "teacher"},
+           "kdia_part": {"teacher_weights": "part", "select": "teacher"},
+           "kdia_num": {"teacher_weights": "num", "select": "teacher"},
+           "kdia_no_kd": {"lambda_kd": 0.0}}
+    for name, keys in own.items():
+        assert methods[name] == {**base, "method": "kdia", **keys}, name
+    no_gen = methods["kdia_no_gen"]  # no generator is trained, so its budget keys do not matter
+    assert no_gen["lambda_gen"] == 0.0 and no_gen["rounds"] == base["rounds"] and no_gen["method"] == "kdia"
+    assert cell["client"]["epochs"] == 5 and base["rounds"] == 50
+
+
 def test_hfldd_smoke_budget_runs_every_method(tmp_path):
     page = tmp_path / "page" / "hfldd.md"
     assert main(["reproduce", "hfldd", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),

@@ -142,11 +142,18 @@ class KDIA(ServerGenerator, FedAvgRounds):
         return f"{self.name}[student]", f"{self.name}[teacher]"
 
     def client_message(self, client_id: int, round_: int, ctx: ServerContext) -> Payload:
+        """The student, plus the teacher and the generator where their term has a weight (ablations send less)."""
         message = super().client_message(client_id, round_, ctx)
-        message.tensors.update({f"teacher/{k}": v.detach().cpu() for k, v in self.teacher.state_dict().items()})
-        message.tensors.update({f"generator/{k}": v.detach().cpu() for k, v in self.generator.state_dict().items()})
-        message.meta["tensor_kinds"] = {"generator/": "generator"}
+        if float(self.params["lambda_kd"]) > 0:
+            message.tensors.update({f"teacher/{k}": v.detach().cpu() for k, v in self.teacher.state_dict().items()})
+        if float(self.params["lambda_gen"]) > 0:
+            message.tensors.update({f"generator/{k}": v.detach().cpu() for k, v in self.generator.state_dict().items()})
+            message.meta["tensor_kinds"] = {"generator/": "generator"}
         return message
+
+    @property
+    def trains_generator(self) -> bool:
+        return int(self.params["gen_epochs"]) > 0 and float(self.params["lambda_gen"]) > 0
 
     def terms(self, client_id: int, round_: int, ctx: ServerContext) -> dict[str, dict[str, Any]]:
         p = self.params
@@ -159,7 +166,7 @@ class KDIA(ServerGenerator, FedAvgRounds):
         p_k = [float(uploads[c].meta["num_samples"]) for c in uploads]
         self.global_model.load_state_dict(weighted_average([models[c].state_dict() for c in uploads], p_k))
         self.teacher.load_state_dict(self.teacher_state(round_))
-        if int(self.params["gen_epochs"]) > 0 and float(self.params["lambda_gen"]) > 0:
+        if self.trains_generator:
             self._train_generator(round_, [models[c] for c in uploads], p_k, ctx)
 
     def teacher_state(self, round_: int) -> dict[str, torch.Tensor]:
