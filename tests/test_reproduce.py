@@ -93,6 +93,21 @@ def test_kdia_ablation_variants_differ_from_kdia_in_their_own_keys_only(setting)
     assert cell["client"]["epochs"] == 5 and base["rounds"] == 50
 
 
+def test_a_strict_claim_fails_on_a_tie_and_a_plain_one_holds():
+    from hetfl.reproduce.report import _holds
+
+    paper = load_paper("kdia")
+    name = cell_config(paper, "mnist", "0.5", 0, "ablation")["name"]
+    cells = {name: {"results": {"kdia": {"final": 90.0}, "kdia_no_kd": {"final": 90.0},
+                                "kdia_no_gen": {"final": 89.0}}}}
+    claim = {"kind": "compare", "a": "kdia", "b": "kdia_no_kd"}
+    assert _holds(paper, cells, "mnist", "ablation", claim) == "β=0.5: yes (90.00 vs 90.00)"
+    assert _holds(paper, cells, "mnist", "ablation", {**claim, "strict": True}) == "β=0.5: no (90.00 vs 90.00)"
+    strict_gen = {**claim, "b": "kdia_no_gen", "strict": True}
+    assert _holds(paper, cells, "mnist", "ablation", strict_gen) == "β=0.5: yes (90.00 vs 89.00)"
+    assert _holds(paper, cells, "fmnist", "ablation", claim) == "-"
+
+
 def test_hfldd_smoke_budget_runs_every_method(tmp_path):
     page = tmp_path / "page" / "hfldd.md"
     assert main(["reproduce", "hfldd", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),

@@ -366,9 +366,9 @@ def _values_of(runs: list[dict[str, Any]], label: str, model: str) -> list[float
 
 def _orderings(paper: Paper, cells: dict[str, Any], budget: str) -> list[str]:
     """Whether each of the paper's claimed orderings (YAML ``orderings``) holds in this budget's cells, per
-    dataset: ``a >= b`` (means over seeds, per setting), ``margin`` (ours minus the best baseline larger at
-    the first setting than at the second) or ``faster`` (``a`` reaches the reference's best in fewer rounds
-    than the reference itself)."""
+    dataset: ``a >= b`` (``a > b`` with ``strict``; means over seeds, per setting), ``margin`` (ours minus
+    the best baseline larger at the first setting than at the second) or ``faster`` (``a`` reaches the
+    reference's best in fewer rounds than the reference itself)."""
     lines = ["The paper's orderings on these cells (means over seeds; \"-\": not run):", "",
              "| claim | " + " | ".join(paper.datasets[d] for d in paper.datasets) + " |",
              "|---" * (len(paper.datasets) + 1) + "|"]
@@ -393,7 +393,8 @@ def _holds(paper: Paper, cells: dict[str, Any], dataset: str, budget: str, claim
             b = [v for r in runs if (v := _find(r, claim["b"])) is not None]
             if a and b:
                 x, y = statistics.fmean(a), statistics.fmean(b)
-                out.append(f"{_settings_head(paper, setting)}: {'yes' if x >= y else 'no'} ({x:.2f} vs {y:.2f})")
+                holds = x > y if claim.get("strict") else x >= y
+                out.append(f"{_settings_head(paper, setting)}: {'yes' if holds else 'no'} ({x:.2f} vs {y:.2f})")
         elif claim["kind"] == "faster":
             ref = paper.spec["reference"]
             pairs = [(_reach(r["results"][claim["a"]].get("curve", []), max(a for _, a in r["results"][ref]["curve"])),
