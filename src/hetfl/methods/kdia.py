@@ -17,7 +17,8 @@ Per round t (counted from 1), with S_t the sampled clients:
   Adam (``gen_lr`` 1e-3, weight decay 1e-5; its state kept across rounds), ``gen_epochs`` 10 x
   ``gen_batches`` 200 batches of ``gen_batch_size`` 64; the labels are drawn uniformly once per round
   and reshuffled per epoch. The round's clients receive student, teacher and generator (bytes counted as
-  ``model`` and ``generator``).
+  ``model`` and ``generator``); with ``lambda_kd`` 0 no teacher, with ``lambda_gen`` 0 no generator
+  (which is then not trained).
 * **Clients** (Eq. 11-13): CE + ``lambda_kd`` KL(teacher/tau || student/tau) (``tau`` 2, no tau^2 factor;
   ``kd_direction: code`` = the repository's KL(student || teacher)) + ``lambda_gen`` CE on generated
   features of uniform labels (one per real sample; N_k E where N_k < batch; generator frozen).
