@@ -79,7 +79,12 @@ def test_kdia_smoke_budget_runs_every_method_and_writes_the_page(tmp_path, capsy
 def test_kdia_ablation_variants_differ_from_kdia_in_their_own_keys_only(setting):
     cell = cell_config(load_paper("kdia"), "fmnist", setting, 0, "ablation")
     methods = cell["methods"]
-    assert set(methods) == {"kdia", "kdia_am", "kdia_intv", "kdia_part", "kdia_num", "kdia_no_kd", "kdia_no_gen"}
+    assert set(methods) == {"fedavg", "kdia", "kdia_am", "kdia_intv", "kdia_part", "kdia_num", "kdia_no_kd",
+                            "kdia_no_gen"}
+    reduced = cell_config(load_paper("kdia"), "fmnist", setting, 0, "reduced")  # Table 7's base: the same FedAvg
+    assert methods["fedavg"] == reduced["methods"]["fedavg"] and methods["kdia"] == reduced["methods"]["kdia"]
+    assert {k: v for k, v in cell.items() if k not in ("name", "methods")} == \
+        {k: v for k, v in reduced.items() if k not in ("name", "methods")}
     base = methods["kdia"]
     own = {"kdia_am": {"teacher_weights": "am", "select": "teacher"},
            "kdia_intv": {"teacher_weights": "intv", "select": "teacher"},
