@@ -241,6 +241,29 @@ def finished_tiny_cell(tmp_path: Path) -> tuple[Paper, Path, dict, Path]:
     return paper, root, cell, root / cell["name"] / "summary.json"
 
 
+def test_a_stopped_cell_stays_off_the_page_and_out_of_the_archive(tmp_path, capsys):
+    """A cell of the runs folder that lacks a result for one of its methods (a grid stopped mid-cell)
+    neither reaches the page nor replaces the archived cell of its name; once finished, it does."""
+    from hetfl.reproduce.report import load_cells
+    from hetfl.reproduce.runner import save_archive
+
+    paper, root, cell, path = finished_tiny_cell(tmp_path)
+    whole = json.loads(path.read_text())
+    stopped = {**whole, "results": {"fedavg": whole["results"]["fedavg"]}}
+    path.write_text(json.dumps(stopped))
+    archive = tmp_path / "tiny-runs.json"
+    old = {"results": {"fedavg": {"method": "fedavg", "final": 1.0, "best": 1.0},
+                       "ensemble": {"method": "ensemble", "final": 2.0, "best": 2.0}},
+           "minutes": 10.0, "machine": "an old CPU"}
+    archive.write_text(json.dumps({cell["name"]: old}))
+    assert load_cells(root, archive) == {cell["name"]: old}
+    assert load_cells(root, tmp_path / "none.json") == {}
+    assert save_archive(paper, root, archive) == 0 and json.loads(archive.read_text()) == {cell["name"]: old}
+    assert f"not archived: {cell['name']} has no result yet for ensemble" in capsys.readouterr().out
+    path.write_text(json.dumps(whole))
+    assert load_cells(root, archive)[cell["name"]] == condense(whole, path.parent)
+
+
 def test_rerun_runs_a_finished_method_again_and_drops_its_old_minutes(tmp_path, monkeypatch, capsys):
     from hetfl.reproduce import runner
     from hetfl.reproduce.runner import drop_results

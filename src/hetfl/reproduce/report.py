@@ -96,11 +96,34 @@ def merge_cell(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any
             "machine": machines}
 
 
-def load_cells(root: Path, archive: Path) -> dict[str, dict[str, Any]]:
-    cells = json.loads(archive.read_text()) if archive.is_file() else {}
+def missing_methods(summary: dict[str, Any], methods: Any) -> list[str]:
+    """Those of ``methods`` with no result in the cell's summary."""
+    return [m for m in methods if m not in summary.get("results", {})]
+
+
+def runs_cells(root: Path) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """The runs folder's finished cells (a result for every method of their config) by name, and its
+    unfinished ones with the methods they have no result for yet (a cell still running or stopped)."""
+    done: dict[str, dict[str, Any]] = {}
+    unfinished: dict[str, list[str]] = {}
     for path in sorted(root.glob("*/summary.json")):
-        cells[path.parent.name] = merge_cell(cells.get(path.parent.name),
-                                             condense(json.loads(path.read_text()), path.parent))
+        summary = json.loads(path.read_text())
+        config = summary.get("config", {})
+        if config.get("name") != path.parent.name:
+            continue
+        if missing := missing_methods(summary, config.get("methods", {})):
+            unfinished[path.parent.name] = missing
+        else:
+            done[path.parent.name] = summary
+    return done, unfinished
+
+
+def load_cells(root: Path, archive: Path) -> dict[str, dict[str, Any]]:
+    """The archived cells, each overlaid by the runs folder's finished cell of its name; an unfinished
+    cell is left out, so a stopped grid never puts some of a cell's methods beside whole cells."""
+    cells = json.loads(archive.read_text()) if archive.is_file() else {}
+    for name, summary in runs_cells(root)[0].items():
+        cells[name] = merge_cell(cells.get(name), condense(summary, root / name))
     return cells
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from hetfl.config import ConfigError
 from hetfl.reproduce.paper import Paper, grid, load_paper
-from hetfl.reproduce.report import ARCHIVE_SUFFIX, condense, merge_cell, write_results
+from hetfl.reproduce.report import ARCHIVE_SUFFIX, condense, merge_cell, missing_methods, runs_cells, write_results
 
 
 def _choices(option: str, text: str | None, valid: list[str]) -> list[str]:
@@ -39,11 +39,6 @@ def _seeds(text: str | None, default: list[int]) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as err:
         raise ConfigError(f"--seeds: expected integers such as 0,1,2, got {text!r}") from err
-
-
-def missing_methods(summary: dict[str, Any], methods: Any) -> list[str]:
-    """Those of ``methods`` with no result in the cell's summary."""
-    return [m for m in methods if m not in summary.get("results", {})]
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
@@ -154,23 +149,17 @@ def save_archive(paper: Paper, root: Path, archive: Path) -> int:
     """Add the finished cells of the runs folder (a result for every method of their config) to the
     archived results (condensed, no models); a cell still running or stopped is named and left out."""
     saved = json.loads(archive.read_text()) if archive.is_file() else {}
-    count = 0
-    for path in sorted(root.glob("*/summary.json")):
-        summary = json.loads(path.read_text())
-        config = summary.get("config", {})
-        if config.get("name") != path.parent.name:
-            continue
-        if missing := missing_methods(summary, config.get("methods", {})):
-            print(f"not archived: {path.parent.name} has no result yet for {', '.join(missing)}")
-            continue
-        saved[path.parent.name] = merge_cell(saved.get(path.parent.name), condense(summary, path.parent))
-        count += 1
+    done, unfinished = runs_cells(root)
+    for name, missing in unfinished.items():
+        print(f"not archived: {name} has no result yet for {', '.join(missing)}")
+    for name, summary in done.items():
+        saved[name] = merge_cell(saved.get(name), condense(summary, root / name))
         for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
-            source = path.parent / label / figure
+            source = root / name / label / figure
             if source.is_file():
-                shutil.copyfile(source, archive.with_name(f"{path.parent.name}-{Path(figure).stem}.png"))
+                shutil.copyfile(source, archive.with_name(f"{name}-{Path(figure).stem}.png"))
     archive.write_text(json.dumps(dict(sorted(saved.items())), indent=1, sort_keys=True) + "\n")
-    return count
+    return len(done)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -207,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"archived {save_archive(paper, root, archive)} cells into {archive}")
     write_results(paper, root, results, archive)
     print(f"wrote {results}")
+    if unfinished := runs_cells(root)[1]:
+        print(f"left off the page until they finish: {', '.join(unfinished)}")
     return 0
 
 
