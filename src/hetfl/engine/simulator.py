@@ -403,6 +403,7 @@ class Simulator:
             "per_class": final["per_class"],
             **({"models": {k: r["accuracy"] for k, r in reports.items()}} if len(models) > 1 else {}),
             "params": method.params,  # the settings it ran with, defaults filled in (they change between versions)
+            "client": method.local_config(ctx).to_dict(),  # the clients' resolved training settings
             "code": code_revision(),  # the git revision that ran it (a resumed cell's methods may differ)
             **ctx.record,
         }

@@ -8,7 +8,8 @@ from typing import Any
 from hetfl.fl.params import check
 from hetfl.fl.precision import check_precision
 
-TRAIN_RANGES = {"grad_clip": {"type": "float", "ge": 0}}  # None: no clipping
+TRAIN_RANGES = {"grad_clip": {"type": "float", "ge": 0},  # None: no clipping
+                "steps": {"type": "int", "ge": 1}}  # None: ``epochs`` full epochs
 
 
 def train_defaults() -> dict[str, Any]:
@@ -17,14 +18,17 @@ def train_defaults() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Local optimiser settings (the paper defaults of DENSE/FedHydra client training)."""
+    """Local optimiser settings: SGD at ``lr`` with ``momentum`` (0, PyTorch's default: a config that wants
+    momentum names it) and ``weight_decay``, for ``epochs`` epochs or, with ``steps``, that many mini-batch
+    steps in all (over as many epochs as they need)."""
 
     epochs: int = 20
     batch_size: int = 128
     lr: float = 0.01
-    momentum: float = 0.9
+    momentum: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float | None = None
+    steps: int | None = None
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     channels_last: bool = True  # NHWC memory layout: faster convolutions on CPUs, same results
 
@@ -38,5 +42,22 @@ class TrainConfig:
         ``where.<key>`` (no TypeError for an unknown key)."""
         return cls(**check("TrainConfig", train_defaults(), values, TRAIN_RANGES, where=where))
 
+    def epochs_needed(self, num_samples: int) -> int:
+        """Epochs to run on ``num_samples`` samples: ``epochs``, or as many as ``steps`` needs."""
+        if self.steps is None:
+            return self.epochs
+        return -(-self.steps // max(1, steps_per_epoch(num_samples, self.batch_size)))
+
+    def optimiser(self) -> dict[str, float]:
+        """The resolved SGD settings (what a results page's protocol line states)."""
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def steps_per_epoch(num_samples: int, batch_size: int, min_batch: int = 2) -> int:
+    """Mini-batches of one epoch, as :func:`hetfl.fl.training.minibatches` yields them (a trailing batch
+    smaller than ``min_batch`` is dropped unless it is all there is)."""
+    full, rest = divmod(num_samples, batch_size)
+    return full + (1 if rest >= min(min_batch, num_samples) and rest > 0 else 0)

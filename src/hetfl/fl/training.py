@@ -25,7 +25,7 @@ from torch import nn
 from hetfl.data.base import ImageDataset
 from hetfl.fl.checkpoint import TrainCheckpoint, TrainState, stop_deferred
 from hetfl.fl.precision import autocast
-from hetfl.fl.train_config import TrainConfig
+from hetfl.fl.train_config import TrainConfig, steps_per_epoch
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -75,7 +75,8 @@ def local_train(
     progress: Callable[[int, float], None] | None = None,
     checkpoint: TrainCheckpoint | None = None,
 ) -> dict[str, float]:
-    """Train ``model`` in place on ``data`` for ``cfg.epochs`` epochs; returns the last epoch's mean loss.
+    """Train ``model`` in place on ``data`` for ``cfg.epochs`` epochs (or ``cfg.steps`` mini-batch steps in
+    all, the last epoch cut short); returns the last epoch's mean loss.
     With ``checkpoint``, go on from a saved step if there is one, save every ``every_s`` seconds, and
     on SIGINT or SIGTERM save before stopping (:class:`~hetfl.fl.checkpoint.TrainCheckpoint`)."""
     generator = torch.Generator().manual_seed(seed)
@@ -89,7 +90,8 @@ def local_train(
     with stop_deferred() if checkpoint is not None else contextlib.nullcontext(lambda: None) as stop:
         began = saved_at = time.monotonic()
         done_before = state.seconds
-        for epoch in range(state.epoch, cfg.epochs):
+        per_epoch = steps_per_epoch(len(data), cfg.batch_size)
+        for epoch in range(state.epoch, cfg.epochs_needed(len(data))):
             if epoch > state.epoch or state.batches is None:
                 state = TrainState(epoch, 0, generator.get_state(), loss=state.loss, seconds=state.seconds)
             # the loss sum stays on the device: no host-device sync per step on a GPU, one per epoch
@@ -97,6 +99,8 @@ def local_train(
             for step, idx in enumerate(minibatches(len(data), cfg.batch_size, generator)):
                 if step < state.step:
                     continue  # done before the resume
+                if cfg.steps is not None and epoch * per_epoch + step >= cfg.steps:
+                    break
                 x, y = data.batch(idx, device)
                 if cfg.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
@@ -153,6 +157,9 @@ def local_train_group(
                          f"models, {len(datasets)} datasets and {len(seeds)} seeds")
     if any(len(d) == 0 for d in datasets):
         raise ValueError("local_train_group needs a non-empty dataset per client")
+    if cfg.steps is not None:
+        raise ValueError("local_train_group trains whole epochs: client.steps needs the one-client loop "
+                         "(simulator.batch_clients: false)")
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if any(s != shapes[0] for s in shapes[1:]) or len({type(m) for m in models}) != 1:
         raise ValueError("local_train_group needs models of one architecture (the same state names and shapes)")

@@ -3,8 +3,9 @@ FedAvg over the cluster heads.
 
 The method's steps are numbered like rounds (so each is checkpointed and resumed as one):
 
-* **Step 1, label knowledge**: every client trains ``pretrain_epochs`` (E1, 10) from the seeded initial
-  model and uploads S_i, its softmax on D_g, ``aux_size`` (1,000) seeded images of the auxiliary set
+* **Step 1, label knowledge**: every client trains ``pretrain_steps`` (E1, 10) mini-batch SGD steps at
+  batch ``pretrain_batch_size`` (b1, 64) from the seeded initial model (Table I and Sec. V-C count E1 in
+  update steps; ``pretrain_epochs``, when set, trains that many epochs instead) and uploads S_i, its softmax on D_g, ``aux_size`` (1,000) seeded images of the auxiliary set
   (:mod:`hetfl.data.auxiliary`: Fashion-MNIST for MNIST, MNIST for Fashion-MNIST), read from its own data
   root (kind ``soft_labels``). The server builds M_ij = KL(S_i || S_j) (Eq. 4), K-Means with ``clusters``
   (K, 10) homogeneous clusters, and ClusterSampling (Alg. 1) heterogeneous clusters of one client of each,
@@ -125,11 +126,13 @@ def plot_clusters(groups: list[list[int]], label_counts: dict[int, list[int]], p
 class HFLDD(RoundMethod):
     name = "hfldd"
     defaults = {"rounds": 300, "sample_ratio": 1.0, "init": "seed", "clusters": 10, "aux_dataset": "",
-                "aux_size": 1000, "pretrain_epochs": 10, "distilled_size": 400, "kip_steps": 3000,
+                "aux_size": 1000, "pretrain_steps": 10, "pretrain_epochs": None,
+                "pretrain_batch_size": 64, "distilled_size": 400, "kip_steps": 3000,
                 "kip_lr": 0.004, "kip_lambda": 1e-6, "kernel": "ntk", "target_batch": 10, "head_epochs": 2,
                 "head_batch_size": 32, "share": "distilled"}
     ranges = {"init": {"choices": ("seed",)}, "clusters": {"ge": 1}, "aux_size": {"ge": 1},
-              "pretrain_epochs": {"ge": 1}, "distilled_size": {"ge": 1}, "kip_steps": {"ge": 0},
+              "pretrain_steps": {"ge": 1}, "pretrain_epochs": {"type": "int", "ge": 1},
+              "pretrain_batch_size": {"ge": 1}, "distilled_size": {"ge": 1}, "kip_steps": {"ge": 0},
               "kip_lr": {"gt": 0}, "kip_lambda": {"gt": 0}, "kernel": {"choices": tuple(KERNELS)},
               "target_batch": {"ge": 1}, "head_epochs": {"ge": 1}, "head_batch_size": {"ge": 1},
               "share": {"choices": ("distilled", "raw")}, "sample_ratio": {"gt": 0, "le": 1}}
@@ -172,9 +175,11 @@ class HFLDD(RoundMethod):
         return self.models()
 
     def _message(self, client_id: int, ctx: ServerContext, task: str, epochs: int, batch_size: int | None,
-                 seed: int, weights: dict[str, torch.Tensor] | None = None, **extra: Any) -> Payload:
+                 seed: int, weights: dict[str, torch.Tensor] | None = None, steps: int | None = None,
+                 **extra: Any) -> Payload:
         cfg = self.local_config(ctx)
-        cfg = TrainConfig(**{**cfg.to_dict(), "epochs": epochs, **({"batch_size": batch_size} if batch_size else {})})
+        cfg = TrainConfig(**{**cfg.to_dict(), "epochs": epochs, "steps": steps,
+                             **({"batch_size": batch_size} if batch_size else {})})
         return train_message(ctx.server_arch, ctx.shape, ctx.num_classes, cfg,
                              init_seed=derive_seed(ctx.seed, "global", ctx.server_arch) if weights is None else 0,
                              seed=seed, weights=weights, task=task, **extra)
@@ -182,8 +187,11 @@ class HFLDD(RoundMethod):
     def cluster(self, ctx: ServerContext) -> None:
         aux = {"dataset": self.aux_name(ctx), "size": self.params["aux_size"], "seed": ctx.seed,
                "sample_seed": derive_seed(ctx.seed, "hfldd-aux")}
-        messages = {c: self._message(c, ctx, "soft_labels", self.params["pretrain_epochs"], None,
-                                     derive_seed(ctx.seed, "pretrain", c), aux=aux) for c in range(ctx.num_clients)}
+        p = self.params
+        epochs, steps = (p["pretrain_epochs"], None) if p["pretrain_epochs"] is not None else (1, p["pretrain_steps"])
+        messages = {c: self._message(c, ctx, "soft_labels", epochs, p["pretrain_batch_size"],
+                                     derive_seed(ctx.seed, "pretrain", c), steps=steps, aux=aux)
+                    for c in range(ctx.num_clients)}
         uploads, _ = ctx.exchange(1, messages)
         ids = sorted(uploads)
         if not ids:
