@@ -152,26 +152,126 @@ def test_fedseq_superclients_run_and_book_every_client_once_a_round(tmp_path, ti
 
 
 # ---- DynaFed -----------------------------------------------------------------------------------------
-def test_trajectory_matching_lowers_its_loss():
-    from hetfl.methods.dynafed import match_trajectory
-
+def expert_trajectory(steps: int = 4):  # noqa: ANN201
+    """A linear model and its trajectory of ``steps`` SGD steps on real data (4 x 4 images, 3 classes)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
     x, y = torch.rand(30, 1, 4, 4), torch.randint(0, 3, (30,))
     trajectory = [{k: v.detach().clone() for k, v in model.named_parameters()}]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for _ in range(4):  # an expert trajectory on real data
+    for _ in range(steps):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         trajectory.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    return model, trajectory
+
+
+def test_trajectory_matching_lowers_its_loss():
+    from hetfl.methods.dynafed import match_trajectory
+
+    model, trajectory = expert_trajectory()
     images = torch.rand(6, 1, 4, 4).requires_grad_(True)
-    labels = (torch.eye(3).repeat_interleave(2, 0) * 5).requires_grad_(True)
-    lr = torch.tensor(0.5).log().requires_grad_(True)
+    labels = torch.zeros(6, 3).requires_grad_(True)  # label_init 0: uniform soft labels
+    lr = torch.tensor(1.0).requires_grad_(True)
     g = torch.Generator().manual_seed(0)
-    first = match_trajectory(model, trajectory, images, labels, lr, 1, 5, 2, 0.05, g)
-    last = match_trajectory(model, trajectory, images, labels, lr, 60, 5, 2, 0.05, g)
+    first = match_trajectory(model, trajectory, images, labels, lr, 1, 5, 2, g, dsa=False)
+    last = match_trajectory(model, trajectory, images, labels, lr, 60, 5, 2, g, dsa=False)
     assert last < first
+
+
+def test_dsa_is_differentiable_and_a_seed_fixes_its_transform():
+    from hetfl.methods.dynafed import DSA_FAMILIES, augment
+
+    def family(seed: int) -> str:  # the family augment draws first from this seed
+        first = torch.randint(0, len(DSA_FAMILIES), (1,), generator=torch.Generator().manual_seed(seed))
+        return DSA_FAMILIES[int(first)]
+
+    seeds = {family(s): s for s in range(100)}
+    assert set(seeds) == set(DSA_FAMILIES)
+    torch.manual_seed(0)
+    a, b = torch.rand(6, 2, 8, 8, dtype=torch.float64), torch.rand(6, 2, 8, 8, dtype=torch.float64)
+    for name, seed in seeds.items():
+        def t(x: torch.Tensor, seed: int = seed) -> torch.Tensor:
+            return augment(x, torch.Generator().manual_seed(seed))
+
+        assert torch.equal(t(a), t(a)), name  # one seed, one transform
+        assert not torch.equal(t(a), a), name  # per-image draws: not all six images left as they are
+        # the same transform on two inputs: it is affine, so T(a + b) - T(b) = T(a) - T(0)
+        assert torch.allclose(t(a + b) - t(b), t(a) - t(torch.zeros_like(a)), atol=1e-12), name
+        assert torch.autograd.gradcheck(t, (a.clone().requires_grad_(True),)), name
+    x = torch.rand(4, 1, 8, 8, requires_grad=True)
+    augment(x, torch.Generator().manual_seed(seeds["rotate"])).square().sum().backward()
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+def test_trajectory_matching_without_dsa_is_the_plain_inner_loop():
+    from hetfl.methods.dynafed import match_trajectory
+
+    model, trajectory = expert_trajectory(2)  # M = 2: the only start is theta_0, the target theta_2
+    images, labels = torch.rand(6, 1, 4, 4), torch.randn(6, 3)
+    params = {k: v.clone().requires_grad_(True) for k, v in trajectory[0].items()}
+    for _ in range(3):  # three plain SGD steps at 0.3 on soft-label cross-entropy / C
+        out = torch.func.functional_call(model, params, (images,))
+        ce = -(torch.softmax(labels, 1) * torch.log_softmax(out, 1)).mean()
+        grads = torch.autograd.grad(ce, list(params.values()))
+        params = {k: p - 0.3 * gr for (k, p), gr in zip(params.items(), grads)}
+    num = float(sum(((params[k].detach() - trajectory[2][k]) ** 2).sum() for k in params))
+    den = float(sum(((trajectory[0][k] - trajectory[2][k]) ** 2).sum() for k in params))
+
+    def loss(dsa: bool) -> float:
+        lr = torch.tensor(0.3).requires_grad_(True)
+        return match_trajectory(model, trajectory, images.clone().requires_grad_(True),
+                                labels.clone().requires_grad_(True), lr, 1, 3, 2, torch.Generator().manual_seed(0),
+                                dsa=dsa, averaging=None)
+
+    assert loss(False) == pytest.approx(num / den, rel=1e-5)
+    assert loss(True) != pytest.approx(num / den, rel=1e-5)
+
+
+def test_weight_averaging_targets_a_mean_of_the_next_m_checkpoints():
+    from fractions import Fraction
+
+    from hetfl.methods.dynafed import matching_target
+
+    trajectory = [{"w": torch.tensor([float(i)], dtype=torch.float64)} for i in range(8)]
+
+    def target(averaging: tuple[int, int] | None, m: int, seed: int) -> Fraction:
+        got = matching_target(trajectory, 2, m, averaging, torch.Generator().manual_seed(seed))["w"]
+        return Fraction(float(got)).limit_denominator(12)
+
+    assert all(target(None, 3, s) == 5 for s in range(5))  # off: theta_{t + M}
+    assert all(target((2, 10), 1, s) == 3 for s in range(20))  # M = 1: k clamped to 1, theta_{t + 1}
+    seen = {target((2, 10), 3, s) for s in range(300)}  # k in {2, 3} draws from theta_3..theta_5
+    assert all(3 <= v <= 5 for v in seen)
+    assert {v.denominator for v in seen} == {1, 2, 3}  # means of two (halves) and of three (thirds)
+    possible = {Fraction(a + b, 2) for a in (3, 4, 5) for b in (3, 4, 5)} | {
+        Fraction(a + b + c, 3) for a in (3, 4, 5) for b in (3, 4, 5) for c in (3, 4, 5)}
+    assert seen == possible
+    assert all(target((3, 3), 3, s).denominator in (1, 3) for s in range(50))  # k = 3 only
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_dynafed_uniform_aggregation_is_the_plain_mean(tmp_path, tiny_config, weighting):
+    from hetfl.fl.payload import Payload
+    from tests.test_rounds import started
+
+    cfg = config(tiny_config, dynafed={"rounds": 4, "weighting": weighting})
+    method, ctx = started(cfg, "dynafed", tmp_path)
+    torch.manual_seed(1)
+    shapes = {k: v.shape for k, v in method.global_model.state_dict().items()}
+    counts = {0: 5, 3: 40, 4: 15}
+    uploads = {c: Payload({k: torch.randn(s) for k, s in shapes.items()},
+                          {"arch": ctx.client_archs[c], "num_samples": n}) for c, n in counts.items()}
+    method.aggregate(1, uploads, ctx)
+    w = torch.tensor([1.0, 1.0, 1.0] if weighting == "uniform" else [float(n) for n in counts.values()])
+    for k, v in method.global_model.state_dict().items():
+        expected = sum(wi * uploads[c].tensors[k] for wi, c in zip(w / w.sum(), counts))
+        assert torch.allclose(v, expected, atol=1e-6), k
+    if weighting == "uniform":
+        k = next(iter(shapes))
+        assert torch.allclose(method.global_model.state_dict()[k],
+                              torch.stack([u.tensors[k] for u in uploads.values()]).mean(0), atol=1e-6)
 
 
 def test_dynafed_equals_fedavg_until_its_synthesis_then_fine_tunes_and_resumes(tmp_path, tiny_config, monkeypatch):
@@ -213,3 +313,32 @@ def test_dynafed_bn_passes_refresh_batchnorm_statistics_only(tmp_path, tiny_conf
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert all("running" in k or "num_batches" in k for k in changed)  # no weight moves without Adam passes
     assert bool(changed) == (passes > 0)
+
+
+def test_pretraining_is_e1_steps_at_batch_64_unless_epochs_are_asked_for(tiny_config, monkeypatch):
+    """Table I and Sec. V-C: E1 = 10 mini-batch steps at b1 = 64; ``pretrain_epochs`` trains whole epochs."""
+    from pathlib import Path
+
+    from hetfl.fl.train_config import TrainConfig
+    from tests.test_rounds import started
+
+    class Sent(Exception):
+        pass
+
+    for params, steps, epochs in (({}, 10, 1), ({"pretrain_steps": 3}, 3, 1), ({"pretrain_epochs": 4}, None, 4)):
+        cfg = config(tiny_config, hfldd={**FAST, "clusters": 2, "pretrain_epochs": None, **params})
+        method, ctx = started(cfg, "hfldd", Path("/tmp/unused-hfldd"))
+        sent = {}
+
+        def exchange(step, messages, sent=sent, **kw):  # noqa: ANN001, ANN003, ANN202
+            sent.update(messages)
+            raise Sent
+
+        monkeypatch.setattr(ctx, "exchange", exchange)
+        with pytest.raises(Sent):
+            method.cluster(ctx)
+        trains = {json.dumps(m.meta["train"], sort_keys=True) for m in sent.values()}
+        assert len(sent) == 6 and len(trains) == 1
+        train = TrainConfig(**json.loads(trains.pop()))
+        assert (train.steps, train.epochs, train.batch_size) == (steps, epochs, 64)
+        assert train.momentum == 0.0  # the clients' SGD: no momentum unless the config names it

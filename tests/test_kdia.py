@@ -279,3 +279,39 @@ def test_fedcog_js_divergence_matches_the_probability_form_and_keeps_finite_grad
     js_divergence(far, near).backward()
     assert torch.isfinite(far.grad).all() and torch.isfinite(near.grad).all()
     assert float(js_divergence(far, near).detach()) == pytest.approx(math.log(2), rel=1e-6)  # disjoint: log 2
+
+
+def test_generated_labels_are_drawn_once_and_reshuffled_each_epoch():
+    """Sec. 5.3: one label per real sample, drawn once and reshuffled per epoch; a client below the batch
+    size draws N_k E labels and uses N_k other ones in each of its E epochs."""
+    from hetfl.fl.objectives import Generated
+    from hetfl.models.generator import FeatureGenerator
+
+    generator = FeatureGenerator(8, 4, (16, 5, 5))
+    term = Generated(1.0, generator, num_samples=70, batch_size=32, epochs=3, seed=0)
+    drawn = term.labels.clone()
+    assert len(drawn) == 70
+    for _ in range(3):  # an epoch: batches of 32, 32, 6
+        epoch = torch.cat([term.next_labels(n) for n in (32, 32, 6)])
+        assert sorted(epoch.tolist()) == sorted(drawn.tolist())  # the same labels, reshuffled
+    tiny = Generated(1.0, generator, num_samples=5, batch_size=32, epochs=3, seed=0)
+    assert len(tiny.labels) == 15
+    chunks = [tiny.next_labels(5) for _ in range(3)]  # one step an epoch
+    assert torch.equal(torch.cat(chunks), tiny.labels)  # three other chunks of the N_k E drawn
+
+
+def test_kdia_creates_the_generator_optimiser_anew_every_round(tmp_path, tiny_config, monkeypatch):
+    """As the authors' code: Adam's state starts from zero at each round's generator training."""
+    from hetfl.methods import kdia
+
+    steps = []
+    real = kdia.train_generator
+
+    def spy(generator, opt, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = real(generator, opt, *args, **kw)
+        steps.append(max(int(s["step"]) for s in opt.state.values()))
+        return out
+
+    monkeypatch.setattr(kdia, "train_generator", spy)
+    run(round_config(tiny_config, kdia=KDIA), tmp_path)
+    assert steps == [KDIA["gen_epochs"] * KDIA["gen_batches"]] * KDIA["rounds"]

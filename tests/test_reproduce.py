@@ -317,3 +317,43 @@ def test_the_page_counts_the_uploads_a_method_left_out(tmp_path):
     write_results(paper, tmp_path / "no-runs", tmp_path / "kdia.md", archive)
     assert "left out of their round" in (text := (tmp_path / "kdia.md").read_text())
     assert "FedCOG at β=0.1: 1 in 1 cell." in text
+
+
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd"])
+def test_the_protocol_line_states_the_optimiser_the_cells_ran_with(name):
+    """The page's optimiser is the config's, resolved; a cell that ran with another is marked and named."""
+    from hetfl.reproduce.report import STALE, configured_optimiser, protocol_optimiser, stale_rows
+
+    paper = load_paper(name)
+    page = (RESULTS / f"{name}.md").read_text()
+    assert protocol_optimiser(paper, paper.default_budget) in page.splitlines()[4]  # the protocol line
+    cells = json.loads((RESULTS / f"{name}-runs.json").read_text())
+    stale = {(cell, label) for cell, label, _ in stale_rows(paper, cells)}
+    keys = {cell_config(paper, d, s, seed, b)["name"]: (d, s, seed, b) for b in paper.budgets
+            for d in paper.datasets for s in paper.settings for seed in range(3)}
+    for cell, entry in cells.items():
+        for label, result in entry["results"].items():
+            assert "optimiser" in result, f"{cell} {label} records no optimiser"
+            if label in paper.methods and cell in keys and (cell, label) not in stale:
+                cfg = cell_config(paper, *keys[cell], methods=[label])
+                assert result["optimiser"] == configured_optimiser(cfg, label), (cell, label)
+    if stale:
+        assert f"{STALE} Not yet re-run" in page
+        assert all(cell in page for cell, _ in stale)
+
+
+def test_a_result_run_with_another_optimiser_is_marked_on_the_page(tmp_path):
+    paper = Paper("tiny", TINY_PAPER)
+    name = grid(paper, "quick", ["synthetic"], ["0.5"], [0])[0]["name"]
+    resolved = {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0}
+    archive = tmp_path / "tiny-runs.json"
+    archive.write_text(json.dumps({name: {"results": {
+        "fedavg": {"method": "fedavg", "final": 1.0, "best": 1.0, "optimiser": {**resolved, "momentum": 0.9}},
+        "ensemble": {"method": "ensemble", "final": 2.0, "best": 2.0, "optimiser": resolved}},
+        "minutes": 1.0, "machine": "a CPU"}}))
+    page = tmp_path / "tiny.md"
+    write_results(paper, tmp_path / "runs", page, archive)
+    text = page.read_text()
+    assert "Client optimiser (resolved from the config): SGD lr 0.1, momentum 0, weight decay 0." in text
+    assert "| FedAvg | 1.00 (n=1) † |" in text and "| ensemble | 2.00 (n=1) |" in text
+    assert f"FedAvg in {name} (SGD lr 0.1, momentum 0.9, weight decay 0)" in text

@@ -130,17 +130,42 @@ def test_fedavgm_buffer_equals_a_hand_computation(tiny_config):
     method, ctx = started(round_config(tiny_config, fedavgm={"rounds": 2, "beta": 0.5, "server_lr": 0.8}), "fedavgm",
                           Path("/tmp/unused-fedavgm"))
     w0 = {k: v.clone() for k, v in method.global_model.state_dict().items()}
+    params = set(method.velocity)
+    assert params == {k for k, _ in method.global_model.named_parameters()}
     avg1 = {k: v + 1.0 for k, v in w0.items()}
     w1 = method.server_update(avg1, ctx)  # v1 = w0 - avg1 = -1; w1 = w0 - 0.8 v1 = w0 + 0.8
     for k in w0:
-        assert torch.allclose(method.velocity[k], torch.full_like(w0[k], -1.0))
-        assert torch.allclose(w1[k], w0[k] + 0.8)
+        if k in params:
+            assert torch.allclose(method.velocity[k], torch.full_like(w0[k], -1.0))
+            assert torch.allclose(w1[k], w0[k] + 0.8)
+        else:  # BatchNorm's statistics and step count take the average
+            assert torch.equal(w1[k], avg1[k])
     method.global_model.load_state_dict(w1)
     avg2 = {k: v - 2.0 for k, v in w1.items()}
     w2 = method.server_update(avg2, ctx)  # v2 = 0.5 (-1) + 2 = 1.5; w2 = w1 - 0.8 * 1.5
-    for k in w0:
+    for k in params:
         assert torch.allclose(method.velocity[k], torch.full_like(w0[k], 1.5))
         assert torch.allclose(w2[k], w1[k] - 1.2, atol=1e-6)
+
+
+def test_fedavgm_at_server_lr_one_minus_beta_is_the_kdia_authors_damped_form(tiny_config):
+    """KDIA's code: v <- beta v + (1 - beta) Delta, w <- w - v, Delta = w - avg; two rounds by hand."""
+    beta = 0.9
+    method, ctx = started(round_config(tiny_config, fedavgm={"rounds": 2, "beta": beta, "server_lr": 1 - beta}),
+                          "fedavgm", Path("/tmp/unused-fedavgm"))
+    names = [k for k, _ in method.global_model.named_parameters()]
+    w = {k: v.clone().double() for k, v in method.global_model.state_dict().items()}
+    v = {k: torch.zeros_like(w[k]) for k in names}
+    torch.manual_seed(1)
+    for _ in range(2):
+        avg = {k: (x + torch.randn_like(x)).float() for k, x in w.items()}
+        got = method.server_update(avg, ctx)
+        for k in names:
+            v[k] = beta * v[k] + (1 - beta) * (w[k] - avg[k].double())
+            w[k] = w[k] - v[k]
+            assert torch.allclose(got[k].double(), w[k], atol=1e-5), k
+        method.global_model.load_state_dict(got)
+        w = {k: x.clone().double() for k, x in got.items()}
 
 
 def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:

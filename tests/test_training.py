@@ -63,6 +63,42 @@ def test_minibatches_cover_every_index_once_and_drop_singletons():
     assert sum(len(b) for b in minibatches(66, 32, g)) == 66
 
 
+def test_a_config_that_names_no_momentum_gets_none():
+    """PyTorch's SGD, FL-bench and PFLlib default to 0: momentum is something a config asks for."""
+    assert TrainConfig().momentum == 0.0 and TrainConfig.checked({"lr": 0.01}).momentum == 0.0
+    assert TrainConfig.checked({"lr": 0.01}).optimiser() == {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}
+
+
+@pytest.mark.parametrize(("n", "steps", "expected_epochs"), [(100, 10, 3), (100, 7, 2), (30, 10, 10), (65, 5, 3)])
+def test_steps_take_that_many_minibatch_steps_over_the_epochs_they_need(synthetic_small, n, steps, expected_epochs):
+    data = synthetic_small.train.subset(torch.arange(n))
+    cfg = TrainConfig(epochs=1, batch_size=32, lr=0.05, steps=steps)
+    assert cfg.epochs_needed(n) == expected_epochs  # 65 at 32: two batches an epoch (the lone 65th is dropped)
+    model = build_model("cnn2", 1, 16, data.num_classes)
+    taken = []
+    real_step = torch.optim.SGD.step
+    torch.optim.SGD.step = lambda self, *a, **k: (taken.append(1), real_step(self, *a, **k))[1]
+    try:
+        local_train(model, data, cfg, CPU, seed=0)
+    finally:
+        torch.optim.SGD.step = real_step
+    assert len(taken) == steps
+
+
+def test_steps_equal_to_whole_epochs_give_the_epochs_bits(synthetic_small):
+    data = synthetic_small.train.subset(torch.arange(64))  # two batches of 32 an epoch
+    a, b = (build_model("cnn2", 1, 16, data.num_classes) for _ in range(2))
+    b.load_state_dict(a.state_dict())
+    local_train(a, data, TrainConfig(epochs=3, batch_size=32, lr=0.05), CPU, seed=4)
+    local_train(b, data, TrainConfig(epochs=1, batch_size=32, lr=0.05, steps=6), CPU, seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_steps_must_be_positive():
+    with pytest.raises(ValueError, match="client.steps"):
+        TrainConfig.checked({"steps": 0})
+
+
 def test_client_sampling_is_seeded_and_sized():
     a = sample_clients(100, 0.1, round_=3, seed=0)
     assert a == sample_clients(100, 0.1, round_=3, seed=0)

@@ -223,11 +223,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     import hetfl.methods  # noqa: F401
     from hetfl.fl.method import METHODS, PRESETS
-    from hetfl.models import MODEL_NAMES
+    from hetfl.models import model_names
 
     print("methods:   " + ", ".join(sorted(METHODS)))
     print("presets:   " + ", ".join(f"{name} ({spec['method']})" for name, spec in sorted(PRESETS.items())))
-    print("models:    " + ", ".join(MODEL_NAMES))
+    print("models:    " + ", ".join(model_names()))
     print("datasets:  " + ", ".join(DATASET_NAMES))
     print("partition: " + ", ".join(PARTITION_KINDS))
     return 0

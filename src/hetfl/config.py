@@ -19,7 +19,7 @@ from hetfl.data import DATASET_NAMES
 from hetfl.data.partition import validate_spec
 from hetfl.fl.params import ParamError, check
 from hetfl.fl.train_config import TrainConfig
-from hetfl.models import MODEL_NAMES
+from hetfl.models import model_names
 
 
 class ConfigError(ValueError):
@@ -88,8 +88,8 @@ def _check_keys(section: str, given: dict[str, Any], valid: set[str]) -> None:
 
 
 def _check_model(where: str, name: Any) -> None:
-    if name not in MODEL_NAMES:
-        raise ConfigError(f"{where}: unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+    if name not in model_names():
+        raise ConfigError(f"{where}: unknown model {name!r}; choose one of: {', '.join(model_names())}")
 
 
 def client_archs(cfg: dict[str, Any]) -> list[str]:

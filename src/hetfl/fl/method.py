@@ -34,7 +34,7 @@ from hetfl.fl.clientbook import DEFAULT_MEMORY_LIMIT, SPILL_DIR, ClientBook
 from hetfl.fl.params import ParamError, check
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.train_config import TrainConfig
-from hetfl.models import MODEL_NAMES, build_model
+from hetfl.models import build_model, model_names
 
 log = logging.getLogger("hetfl")
 
@@ -140,7 +140,7 @@ class Method(ABC):
         if upload.meta.get("client_id") != client_id:
             raise PayloadError(f"upload claims client {upload.meta.get('client_id')!r}, expected {client_id}")
         arch = message.meta.get("arch")
-        if arch in MODEL_NAMES and "arch" in upload.meta:
+        if arch in model_names() and "arch" in upload.meta:
             if upload.meta["arch"] != arch:
                 raise PayloadError(f"architecture {upload.meta['arch']!r}, expected {arch!r}")
             upload.validate(_state_shapes(arch, ctx.shape, ctx.num_classes), required_meta=("num_samples",))

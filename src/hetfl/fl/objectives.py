@@ -137,15 +137,33 @@ class Distillation(Term):
 
 
 class Generated(Term):
+    """KDIA's generated features (Sec. 5.3): the labels are drawn uniformly once, one per real sample
+    (N_k E for a client with fewer samples than a batch), and consumed in order, a batch's worth per step
+    (as many as the real batch holds); when the rest is shorter than the batch (an epoch is over) they are
+    reshuffled and read from the start again. A client below the batch size takes one step an epoch, so it
+    uses N_k other labels in each of its E epochs. Noise is drawn anew every step."""
+
     def __init__(self, weight: float, generator: nn.Module, num_samples: int, batch_size: int, epochs: int,
                  seed: int) -> None:
         self.weight, self.generator = weight, _frozen(generator)
-        self.per_batch = num_samples * epochs if num_samples < batch_size else None  # KDIA's small-client rule
         self.rng = torch.Generator().manual_seed(seed)
+        size = num_samples * epochs if num_samples < batch_size else num_samples  # KDIA's small-client rule
+        self.labels = torch.randint(0, self.generator.num_classes, (max(size, 1),), generator=self.rng)
+        self.cursor = 0
+
+    def next_labels(self, n: int) -> torch.Tensor:
+        """The next ``n`` labels of the sequence, reshuffled once the rest is shorter than ``n``."""
+        n = min(n, len(self.labels))
+        if self.cursor + n > len(self.labels):
+            self.labels = self.labels[torch.randperm(len(self.labels), generator=self.rng)]
+            self.cursor = 0
+        out = self.labels[self.cursor: self.cursor + n]
+        self.cursor += n
+        return out
 
     def __call__(self, model, x, y, logits, z):  # noqa: ANN001, ANN204
-        n = self.per_batch or len(x)
-        labels = torch.randint(0, self.generator.num_classes, (n,), generator=self.rng)
+        labels = self.next_labels(len(x))
+        n = len(labels)
         noise = torch.randn(n, self.generator.noise_dim, generator=self.rng)
         with torch.no_grad():
             features = self.generator(noise.to(x.device), labels.to(x.device))

@@ -4,8 +4,12 @@ Per round, with ``Delta = w - avg`` (the global weights minus this round's sampl
 ``v <- beta v + Delta``, ``w <- w - eta v``; ``beta`` 0.9 (KDIA's Sec. 6 default of {0.7, 0.9, 0.99}),
 ``server_lr`` eta 1, ``v`` starts at zero and is kept with the round checkpoint. The update is
 computed in the algebraically equal form ``w <- (1 - eta) w + eta avg - eta beta v_prev``, so that
-``beta: 0, server_lr: 1`` gives the average itself, bit for bit (FedAvg). Integer buffers (BatchNorm's
-step count) take the average.
+``beta: 0, server_lr: 1`` gives the average itself, bit for bit (FedAvg). The momentum moves the
+parameters only; buffers (BatchNorm's running statistics and step count) take the average, as no paper
+puts statistics under momentum (a running variance so moved can turn negative).
+
+KDIA's authors run the damped form v <- beta v + (1 - beta) Delta, w <- w - v: with u = eta v it is this
+one at ``server_lr`` eta = 1 - beta (0.1), which their comparison (``kdia.yaml``) sets.
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ class FedAvgM(FedAvgRounds):
 
     def setup(self, ctx: ServerContext) -> None:
         super().setup(ctx)
-        self.velocity = {k: torch.zeros_like(v) for k, v in self.global_model.state_dict().items()
-                         if v.is_floating_point()}
+        self.velocity = {k: torch.zeros_like(v.detach()) for k, v in self.global_model.named_parameters()}
 
     def server_update(self, averaged: dict[str, torch.Tensor], ctx: ServerContext) -> dict[str, torch.Tensor]:
         beta, eta = float(self.params["beta"]), float(self.params["server_lr"])

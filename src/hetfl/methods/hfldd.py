@@ -3,14 +3,15 @@ FedAvg over the cluster heads.
 
 The method's steps are numbered like rounds (so each is checkpointed and resumed as one):
 
-* **Step 1, label knowledge**: every client trains ``pretrain_steps`` (E1, 10) mini-batch SGD steps at
-  batch ``pretrain_batch_size`` (b1, 64) from the seeded initial model (Table I and Sec. V-C count E1 in
-  update steps; ``pretrain_epochs``, when set, trains that many epochs instead) and uploads S_i, its softmax on D_g, ``aux_size`` (1,000) seeded images of the auxiliary set
-  (:mod:`hetfl.data.auxiliary`: Fashion-MNIST for MNIST, MNIST for Fashion-MNIST), read from its own data
-  root (kind ``soft_labels``). The server builds M_ij = KL(S_i || S_j) (Eq. 4), K-Means with ``clusters``
-  (K, 10) homogeneous clusters, and ClusterSampling (Alg. 1) heterogeneous clusters of one client of each,
-  with one random head each (:mod:`hetfl.fl.clustering`). A client without an accepted upload is left out.
-  ``clusters.png`` (Fig. 4) shows each heterogeneous cluster's samples by class.
+* **Step 1, label knowledge**: every client trains ``pretrain_steps`` (E1, 10) mini-batch SGD steps at batch
+  ``pretrain_batch_size`` (b1, 64) from the seeded initial model (Table I and Sec. V-C count E1 in update
+  steps; ``pretrain_epochs``, when set, trains that many epochs instead) and uploads S_i, its softmax on D_g,
+  ``aux_size`` (1,000) seeded images of the auxiliary set (:mod:`hetfl.data.auxiliary`: Fashion-MNIST for
+  MNIST, MNIST for Fashion-MNIST), read from its own data root (kind ``soft_labels``). The server builds M_ij
+  = KL(S_i || S_j) (Eq. 4), K-Means with ``clusters`` (K, 10) homogeneous clusters, and ClusterSampling (Alg.
+  1) heterogeneous clusters of one client of each, with one random head each (:mod:`hetfl.fl.clustering`). A
+  client without an accepted upload is left out. ``clusters.png`` (Fig. 4) shows each heterogeneous cluster's
+  samples by class.
 * **Step 2, distillation**: every member (non-head) distils ``distilled_size`` (400) images of its data
   with KIP (:mod:`hetfl.fl.kip`: ``kip_steps`` 3,000, ``kip_lr`` 0.004, ``kip_lambda`` 1e-6, ``kernel``
   ntk, 10 target samples per step) and sends them, uint8 (8 bits a pixel) with their labels, to its head

@@ -13,15 +13,17 @@ Per round t (counted from 1), with S_t the sampled clients:
 * **Generator** (Eq. 3-4): a :class:`~hetfl.models.generator.FeatureGenerator` (noise ``noise_dim`` 100 +
   label -> the clients' feature map) trained on the server after aggregation: CE of the p_k-weighted sum of
   the round's classifiers' logits on G(eps, y~) (read without Eq. 3's 1/K, as the authors' code), plus
-  ``diversity`` x mean|eps_1 - eps_2| / (mean|Z_1 - Z_2| + 1e-5) over the two halves of a batch (Eq. 4);
-  Adam (``gen_lr`` 1e-3, weight decay 1e-5; its state kept across rounds), ``gen_epochs`` 10 x
-  ``gen_batches`` 200 batches of ``gen_batch_size`` 64; the labels are drawn uniformly once per round
-  and reshuffled per epoch. The round's clients receive student, teacher and generator (bytes counted as
-  ``model`` and ``generator``); with ``lambda_kd`` 0 no teacher, with ``lambda_gen`` 0 no generator
-  (which is then not trained).
+  ``diversity`` x mean|eps_1 - eps_2| / (mean|Z_1 - Z_2| + 1e-5) over the two halves of a batch (Eq. 4); Adam
+  (``gen_lr`` 1e-3, weight decay 1e-5; created anew every round, as the authors' code does: the paper is
+  silent), ``gen_epochs`` 10 x ``gen_batches`` 200 batches of ``gen_batch_size`` 64; the labels are drawn
+  uniformly once per round and reshuffled per epoch (Sec. 5.3). The round's clients receive student, teacher
+  and generator (bytes counted as ``model`` and ``generator``); with ``lambda_kd`` 0 no teacher, with
+  ``lambda_gen`` 0 no generator (which is then not trained).
 * **Clients** (Eq. 11-13): CE + ``lambda_kd`` KL(teacher/tau || student/tau) (``tau`` 2, no tau^2 factor;
   ``kd_direction: code`` = the repository's KL(student || teacher)) + ``lambda_gen`` CE on generated
-  features of uniform labels (one per real sample; N_k E where N_k < batch; generator frozen).
+  features of uniform labels (Sec. 5.3: one per real sample, drawn once per local training and reshuffled
+  every epoch; a client with N_k below the batch size draws N_k E labels and uses N_k of them, other ones,
+  in each epoch; fresh noise every batch; generator frozen).
   ``lambda_kd`` 0.5; ``lambda_gen`` 1.0 (the paper's beta = 0.5 value; 0.01 at beta 0.1 and 5.0).
 * **Final model** (``select``): ``val`` picks student or teacher by their validation accuracy at the last
   round (the default where a validation split exists; ``teacher`` otherwise, which the paper reports as the
@@ -131,12 +133,15 @@ class KDIA(ServerGenerator, FedAvgRounds):
         torch.manual_seed(derive_seed(ctx.seed, "generator", self.name))
         self.generator = FeatureGenerator(int(self.params["noise_dim"]), ctx.num_classes,
                                           tuple(self.global_model.feature_shape)).to(ctx.device)
-        self.gen_opt = torch.optim.Adam(self.generator.parameters(), lr=float(self.params["gen_lr"]),
-                                        weight_decay=float(self.params["gen_weight_decay"]),
-                                        fused=ctx.device.type == "cpu")  # one kernel for all parameters
+        self.gen_opt = self._generator_optimiser(ctx)
         select = self.params["select"]
         self.select = select if select != "auto" else ("val" if ctx.validate(self.teacher) is not None else "teacher")
         self._picked: tuple[int, str] | None = None  # (round evaluated, model label) under select: val
+
+    def _generator_optimiser(self, ctx: ServerContext) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.generator.parameters(), lr=float(self.params["gen_lr"]),
+                                weight_decay=float(self.params["gen_weight_decay"]),
+                                fused=ctx.device.type == "cpu")  # one kernel for all parameters
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -182,6 +187,7 @@ class KDIA(ServerGenerator, FedAvgRounds):
         rng = torch.Generator().manual_seed(derive_seed(ctx.seed, "generator", self.name, round_))
         labels = torch.randint(0, ctx.num_classes, (int(p["gen_batches"]) * int(p["gen_batch_size"]),), generator=rng)
         frozen(heads, ctx.device)
+        self.gen_opt = self._generator_optimiser(ctx)  # a fresh Adam every round, as the authors' code
         total = sum(p_k)
         loss = train_generator(self.generator, self.gen_opt, heads, [w / total for w in p_k], labels,
                                int(p["gen_epochs"]), int(p["gen_batch_size"]), float(p["diversity"]), rng, ctx.device)

@@ -4,9 +4,11 @@ Local objective (Eq. 3-4): ``CE + mu * CE([cos(z, z_g), cos(z, z_prev)] / tau, 0
 ``z`` (the 256-d output before the classifier of ``simplecnn``, MOON's CNN), ``z_g`` from the received
 global model and ``z_prev`` from the client's previous local model, which lives in the client's state
 (:class:`hetfl.fl.objectives.Contrastive`). ``mu`` 5, ``tau`` 0.5 (MOON's CIFAR-10 values, KDIA's
-Sec. 6). At a client's first participation there is no previous model and no term (MOON's code uses
-the global model there, whose term has zero gradient). One previous model (MOON's
-``model_buffer_size`` 1). Aggregation is FedAvg's.
+Sec. 6). At a client's first participation there is no previous local model and we add no term. This is
+our choice: MOON's code (and KDIA's, built on it) has no term in round 1 either (an empty model pool), but
+from round 2 on a client sampled for the first time contrasts against its own network as the code
+initialised it (random, never trained), since the pool holds every party's network. One previous model
+(MOON's ``model_buffer_size`` 1). Aggregation is FedAvg's.
 """
 
 from __future__ import annotations

@@ -35,7 +35,23 @@ _REGISTRY: dict[str, type[HetflModel]] = {
     )
 }
 
-MODEL_NAMES: tuple[str, ...] = tuple(sorted(_REGISTRY))
+MODEL_NAMES: tuple[str, ...] = tuple(sorted(_REGISTRY))  # the built-in models
+
+
+def model_names() -> tuple[str, ...]:
+    """Every model a config may name: the built-in ones and those added by :func:`register_model`."""
+    return tuple(sorted(_REGISTRY))
+
+
+def register_model(cls: type[HetflModel]) -> type[HetflModel]:
+    """Add a :class:`HetflModel` subclass under its ``arch`` name (usable as a class decorator); a name
+    already taken by another class raises ``ValueError``."""
+    if not (isinstance(cls, type) and issubclass(cls, HetflModel)) or not getattr(cls, "arch", None):
+        raise ValueError(f"register_model needs a HetflModel subclass with an arch name, got {cls!r}")
+    if _REGISTRY.get(cls.arch, cls) is not cls:
+        raise ValueError(f"model name {cls.arch!r} is taken by {_REGISTRY[cls.arch].__name__}")
+    _REGISTRY[cls.arch] = cls
+    return cls
 
 
 def get_model_class(name: str) -> type[HetflModel]:
@@ -44,7 +60,7 @@ def get_model_class(name: str) -> type[HetflModel]:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(
-            f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}"
+            f"unknown model {name!r}; choose one of: {', '.join(model_names())}"
         ) from None
 
 
@@ -64,4 +80,6 @@ __all__ = [
     "count_flops",
     "count_parameters",
     "get_model_class",
+    "model_names",
+    "register_model",
 ]

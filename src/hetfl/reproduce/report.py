@@ -9,10 +9,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hetfl.reproduce.paper import Paper, cell_name
+from hetfl.reproduce.paper import Paper, cell_config, cell_name
 
 ARCHIVE_SUFFIX = "-runs.json"
 MAX_SEEDS = 100  # seeds looked up per setting
+OPTIMISER_KEYS = ("lr", "momentum", "weight_decay")
+# The clients' SGD momentum before its default became 0: what a summary that records no resolved client
+# settings ran with where its config named no momentum.
+LEGACY_MOMENTUM = 0.9
+STALE = "†"  # marks a number from runs whose client optimiser is not the one the config now resolves to
 
 
 def _curve(summary: dict[str, Any], label: str, folder: Path | None) -> list[list[float]]:
@@ -63,12 +68,75 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
                 entry["left_out"] = len(r["client_failures"])
             if "curve" in entry and (mib := _mebibytes(folder, label, [s for s, _ in entry["curve"]])):
                 entry["mib"] = mib
+        entry["optimiser"] = _optimiser(summary, label)
         if isinstance(r.get("clusters"), dict):  # HFLDD's clustering
             entry["clusters"] = {k: r["clusters"][k] for k in ("homogeneous", "heterogeneous", "sizes")
                                  if k in r["clusters"]}
         results[label] = entry
     return {"results": results, "minutes": round(summary.get("minutes") or 0.0, 1),
             "machine": machine(summary.get("environment", {}))}
+
+
+def _optimiser(summary: dict[str, Any], label: str) -> dict[str, float]:
+    """The client optimiser a method of a cell's summary ran with: the resolved settings it recorded or,
+    in a summary from before they were recorded, its config over the defaults of that time."""
+    client = summary["results"][label].get("client")
+    if client is None:
+        config = summary.get("config", {})
+        method_client = (config.get("methods", {}).get(label) or {}).get("client") or {}
+        client = {"lr": 0.01, "momentum": LEGACY_MOMENTUM, "weight_decay": 0.0, **config.get("client", {}),
+                  **method_client}
+    return {k: float(client[k]) for k in OPTIMISER_KEYS}
+
+
+def configured_optimiser(cfg: dict[str, Any], label: str) -> dict[str, float]:
+    """The client optimiser a cell's config resolves to for method ``label`` (its ``client:`` over the
+    config's, over :class:`~hetfl.fl.train_config.TrainConfig`'s defaults)."""
+    import hetfl.methods  # noqa: F401 (the registry and presets)
+    from hetfl.fl.method import resolve_method
+    from hetfl.fl.train_config import TrainConfig
+
+    params = resolve_method(label, cfg["methods"].get(label))[1]
+    client = {k: v for k, v in {**cfg.get("client", {}), **(params.get("client") or {})}.items() if k != "model"}
+    return TrainConfig.checked(client).optimiser()
+
+
+def describe_optimiser(opt: dict[str, float]) -> str:
+    return f"SGD lr {opt['lr']:g}, momentum {opt['momentum']:g}, weight decay {opt['weight_decay']:g}"
+
+
+def protocol_optimiser(paper: Paper, budget: str) -> str:
+    """The clients' optimiser as the paper's config resolves it for ``budget``, per group of methods."""
+    dataset = paper.budget_grid(budget, "datasets")[0]
+    cfg = cell_config(paper, dataset, paper.budget_grid(budget, "settings")[0], 0, budget)
+    groups: dict[str, list[str]] = {}
+    for label in cfg["methods"]:
+        groups.setdefault(describe_optimiser(configured_optimiser(cfg, label)), []).append(paper.label(label))
+    if len(groups) == 1:
+        return f"Client optimiser (resolved from the config): {next(iter(groups))}."
+    parts = [f"{text} ({', '.join(labels)})" for text, labels in groups.items()]
+    return "Client optimiser (resolved from the config): " + "; ".join(parts) + "."
+
+
+def _cell_keys(paper: Paper) -> dict[str, tuple[str, str, int, str]]:
+    """Cell name -> (dataset, setting, seed, budget) over the paper's grid."""
+    return {cell_name(paper, d, s, seed, b): (d, s, seed, b) for b in paper.budgets for d in paper.datasets
+            for s in paper.settings for seed in range(MAX_SEEDS)}
+
+
+def stale_rows(paper: Paper, cells: dict[str, Any]) -> list[tuple[str, str, dict[str, float]]]:
+    """``(cell, label, optimiser it ran with)`` of every archived result whose client optimiser differs
+    from the one its cell's config resolves to now (a result from before a config or default changed)."""
+    keys, out = _cell_keys(paper), []
+    for name, cell in sorted(cells.items()):
+        if name not in keys:
+            continue
+        for label, entry in cell["results"].items():
+            ran = entry.get("optimiser")
+            if ran is not None and label in paper.methods and ran != configured_optimiser(
+                    cell_config(paper, *keys[name], methods=[label]), label):
+                out.append((name, label, ran))
+    return out
 
 
 def _mebibytes(folder: Path | None, label: str, steps: list[int]) -> list[float] | None:
@@ -164,7 +232,8 @@ def _dataset_table(paper: Paper, cells: dict[str, Any], dataset: str, budget: st
         for setting in settings:
             runs = _runs(paper, cells, dataset, setting, budget)
             final = _values(runs, label, "final")
-            row.append(f"{_mean(final)} (n={len(final)})" if final else "not run")
+            mark = f" {STALE}" if any(r["results"].get(label, {}).get("stale") for r in runs) else ""
+            row.append(f"{_mean(final)} (n={len(final)}){mark}" if final else "not run")
             if val:
                 row.append(_mean(_values(runs, label, "val")))
             row += [_mean(_values(runs, label, "best")), paper.published_value(dataset, label, setting) or "-"]
@@ -557,14 +626,33 @@ def plot_cost(paper: Paper, cells: dict[str, Any], budget: str, path: Path) -> b
     return drawn
 
 
+def _stale_note(paper: Paper, stale: list[tuple[str, str, dict[str, float]]]) -> list[str]:
+    """The footnote to :data:`STALE`: which results ran with which other optimiser."""
+    if not stale:
+        return []
+    cells: dict[tuple[str, str], list[str]] = {}  # (optimiser, label) -> cells
+    for name, label, ran in stale:
+        cells.setdefault((describe_optimiser(ran), label), []).append(name)
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}  # (optimiser, cells) -> labels
+    for (ran, label), names in cells.items():
+        groups.setdefault((ran, tuple(names)), []).append(paper.label(label))
+    items = "; ".join(f"{', '.join(labels)} in {', '.join(names)} ({ran})" for (ran, names), labels in groups.items())
+    return [f"{STALE} Not yet re-run with the optimiser above; they ran with another: {items}.", ""]
+
+
 def render(paper: Paper, cells: dict[str, Any], figures: list[str], folder: Path | None = None) -> str:
+    cells = json.loads(json.dumps(cells))  # marked below, not the caller's
+    stale = stale_rows(paper, cells)
+    for name, label, _ in stale:
+        cells[name]["results"][label]["stale"] = True
     budgets = budgets_run(paper, cells)
     what = "test-best" if paper.metric == "best" else "final"
     lines = [f"# {paper.title}", "",
              f"Generated by `hetfl reproduce {paper.name} --report-only` from the archived cells "
              f"(`{paper.name}{ARCHIVE_SUFFIX}`) and the finished cells of `runs/reproduce-{paper.name}/`; "
              "do not edit by hand.", "",
-             f"Source: {paper.source}. The paper reports **{what}**. {paper.protocol}", "",
+             f"Source: {paper.source}. The paper reports **{what}**. {paper.protocol} "
+             f"{protocol_optimiser(paper, paper.default_budget)}", "", *_stale_note(paper, stale),
              "Columns: **final** = the last model; **val** = the model picked on a validation split (where a "
              "run had one); **test-best** = the best test accuracy over the server's evaluations, i.e. "
              "test-set model selection, the papers' protocol; **paper** = the published number. Means over "
