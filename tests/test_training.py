@@ -189,7 +189,7 @@ def _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen):
 
 
 def test_interrupted_local_training_resumes_to_the_same_bits(tmp_path, synthetic_small):
-    data, cfg = synthetic_small.train, TrainConfig(epochs=5, batch_size=32, lr=0.05)
+    data, cfg = synthetic_small.train, TrainConfig(epochs=5, batch_size=32, lr=0.05, momentum=0.9)  # buffers to save
     reference = _dropout_net()
     ref_stats = local_train(reference, data, cfg, CPU, seed=3)
     checkpoint = TrainCheckpoint(tmp_path / "partial" / "c.safetensors", every_s=0)  # after every step
