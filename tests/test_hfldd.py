@@ -342,3 +342,25 @@ def test_pretraining_is_e1_steps_at_batch_64_unless_epochs_are_asked_for(tiny_co
         train = TrainConfig(**json.loads(trains.pop()))
         assert (train.steps, train.epochs, train.batch_size) == (steps, epochs, 64)
         assert train.momentum == 0.0  # the clients' SGD: no momentum unless the config names it
+
+
+def test_hfldd_at_another_k_reuses_the_cached_stages_bit_for_bit(tmp_path, tiny_config):
+    """Pre-training soft labels and distilled sets depend on the request and the client's data alone:
+    a second K reads the members it shares from the upload cache and ends where an uncached run ends."""
+    from hetfl.engine.simulator import Simulator, prepare
+    from hetfl.methods.checks import validate
+
+    k2 = {**FAST, "method": "hfldd", "clusters": 2}
+    cached = config(tiny_config, clients=8, hfldd={**FAST, "clusters": 4}, hfldd_k2=k2)
+    sim = Simulator(prepare(validate(cached)), tmp_path / "cached", tmp_path / "cache", quiet=True)
+    res = sim.run()["results"]
+    first = res["hfldd"]["clusters"]
+    members_first = 8 - first["heterogeneous"]
+    # every client pre-trains once and every member of the first K distils once, never again
+    new_members = set(first["heads"]) - set(res["hfldd_k2"]["clusters"]["heads"])
+    assert sim.trained_uploads == 8 + members_first + len(new_members)
+    alone = run(config(tiny_config, clients=8, hfldd_k2=k2), tmp_path / "alone")["results"]["hfldd_k2"]
+    assert alone["accuracy"] == res["hfldd_k2"]["accuracy"]
+    assert alone["tensor_bytes"] == res["hfldd_k2"]["tensor_bytes"]
+    assert same_weights(load_file(str(tmp_path / "alone" / "hfldd_k2" / "hfldd_k2.safetensors")),
+                        load_file(str(tmp_path / "cached" / "hfldd_k2" / "hfldd_k2.safetensors")))

@@ -178,10 +178,10 @@ class Simulator:
         clock = {"start": time.perf_counter()}
 
         def exchange(step: int, messages: dict[int, Payload], *, relay: dict[int, int] | None = None,
-                     desc: str = "") -> tuple[dict[int, Payload], dict[int, str]]:
+                     desc: str = "", cacheable: bool = False) -> tuple[dict[int, Payload], dict[int, str]]:
             addressed.setdefault(step, set()).update(messages)
             if not one_shot:
-                return self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=False,
+                return self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=cacheable,
                                              relay=relay, desc=desc or f"{method.name}: round {step}")
             return self._one_shot_exchange(method, ctx, messages, ledger, relay)
 

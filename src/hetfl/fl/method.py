@@ -77,7 +77,9 @@ class ServerContext:
     record: dict[str, Any] = field(default_factory=dict)
     # exchange(step, {client: message}, relay=None) -> (accepted uploads, {client: why left out});
     # relay {sender: receiver}: those uploads are data for another client, which the method forwards
-    # under ``relayed/`` in the receiver's next message (counted once, as the sender's ``peer`` upload)
+    # under ``relayed/`` in the receiver's next message (counted once, as the sender's ``peer`` upload);
+    # cacheable=True (a round method's stage whose answers depend on the request and the client's data
+    # alone, no client state): answered from the upload cache where another run asked the same
     exchange: Callable[..., tuple[dict[int, Payload], dict[int, str]]] = field(default=_no_engine)
     # every client's sample count and label histogram: {"num_samples": [N], "label_counts": [N x C]}
     client_info: Callable[[], dict[str, list]] = field(default=_no_engine)

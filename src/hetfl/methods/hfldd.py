@@ -193,7 +193,7 @@ class HFLDD(RoundMethod):
         messages = {c: self._message(c, ctx, "soft_labels", epochs, p["pretrain_batch_size"],
                                      derive_seed(ctx.seed, "pretrain", c), steps=steps, aux=aux)
                     for c in range(ctx.num_clients)}
-        uploads, _ = ctx.exchange(1, messages)
+        uploads, _ = ctx.exchange(1, messages, cacheable=True)  # stateless: reused across K and w/o DD
         ids = sorted(uploads)
         if not ids:
             raise RuntimeError("hfldd: no client uploaded its soft labels")
@@ -224,7 +224,7 @@ class HFLDD(RoundMethod):
                                     "lambda": p["kip_lambda"], "kernel": p["kernel"], "target_batch": p["target_batch"],
                                     "seed": derive_seed(ctx.seed, "kip", c), "kind": "state"})
                     for c in members}
-        uploads, _ = ctx.exchange(2, messages, relay={c: self.head_of(c) for c in members})
+        uploads, _ = ctx.exchange(2, messages, relay={c: self.head_of(c) for c in members}, cacheable=True)
         self.sets = {c: {"x": u.tensors["x"], "y": u.tensors["y"]} for c, u in uploads.items()}
 
     def validate_upload(self, client_id: int, message: Payload, upload: Payload, ctx: ServerContext) -> None:
