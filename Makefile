@@ -23,7 +23,7 @@ demo: data
 	$(BIN)/hetfl run configs/demo-mnist.yaml --data-root $(DATA) --out runs/demo-mnist
 
 lint: install
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests examples
 
 test: data lint
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15

@@ -219,8 +219,65 @@ def test_dirichlet_that_cannot_meet_min_size_raises(monkeypatch):
     monkeypatch.setattr(partition_mod, "MAX_RESAMPLES", 50)
     labels = np.repeat(np.arange(C), 10)
     spec = {"kind": "dirichlet", "alpha": 0.01, "min_size": 10, "balance": False}
-    with pytest.raises(PartitionError, match=r"could not give every one of 10 clients >= 10 samples in 50 draws"):
+    with pytest.raises(PartitionError, match=r"cannot give every one of 10 clients >= 10 samples: in 50 draws"):
         make_partition(labels, 10, spec, seed=0)
+
+
+def slow_dirichlet(labels: np.ndarray, m: int, c: int, alpha: float, min_size: int, balance: bool,
+                   seed: int) -> list[np.ndarray]:
+    """The redraw loop written plainly, one list of pieces per client (the reference)."""
+    rng = np.random.default_rng([seed, 0x9A27])  # make_partition's stream
+    n, by_class = len(labels), [np.flatnonzero(labels == k) for k in range(c)]
+    while True:
+        parts: list[list[np.ndarray]] = [[] for _ in range(m)]
+        sizes = np.zeros(m, dtype=np.int64)
+        for idx_k in by_class:
+            if len(idx_k) == 0:
+                continue
+            idx_k = rng.permutation(idx_k)
+            p = rng.dirichlet(np.full(m, alpha))
+            if balance:
+                p = p * (sizes < n / m)
+            if p.sum() <= 0:
+                p = rng.dirichlet(np.full(m, alpha))
+            cuts = (np.cumsum(p / p.sum()) * len(idx_k)).astype(np.int64)[:-1]
+            for j, piece in enumerate(np.split(idx_k, cuts)):
+                parts[j].append(piece)
+                sizes[j] += len(piece)
+        if sizes.min() >= min_size:
+            return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
+
+
+@pytest.mark.parametrize(("m", "alpha", "min_size", "balance"), [(7, 0.1, 10, True), (40, 0.5, 5, True),
+                                                                  (25, 0.3, 2, False), (120, 1.0, 10, True)])
+def test_dirichlet_equals_the_slow_reference_draw_for_draw(m, alpha, min_size, balance):
+    labels = np.random.default_rng(5).integers(0, C, 3000)
+    spec = {"kind": "dirichlet", "alpha": alpha, "min_size": min_size, "balance": balance}
+    for seed in (0, 3):
+        got = make_partition(labels, m, spec, seed=seed).indices
+        want = slow_dirichlet(labels, m, C, alpha, min_size, balance, seed)
+        assert len(got) == m and all(np.array_equal(a, np.sort(b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize(("kind", "clients", "min_size", "works"), [("dirichlet", 20_000, 1, None),
+                                                                      ("dirichlet", 5_000, 5, 1),
+                                                                      ("quantity", 20_000, 2, None)])
+def test_an_unreachable_min_size_stops_early_and_says_what_would_work(kind, clients, min_size, works):
+    import time
+
+    labels = np.random.default_rng(0).integers(0, C, 60_000)  # MNIST's size
+    start = time.perf_counter()
+    with pytest.raises(PartitionError, match=rf"{kind}\(alpha=0.5\) cannot give every one of {clients} clients "
+                                             rf">= {min_size} samples: in 100 draws at least \d+ clients fell short"):
+        try:
+            make_partition(labels, clients, {"kind": kind, "alpha": 0.5, "min_size": min_size}, seed=0)
+        except PartitionError as err:
+            assert (f"min_size: {works} works with this seed" in str(err)) if works else "no draw gave" in str(err)
+            raise
+    assert time.perf_counter() - start < 10
+    if works:  # the min_size it names does work
+        spec = {"kind": kind, "alpha": 0.5, "min_size": works}
+        assert make_partition(labels, clients, spec, seed=0).sizes.min() >= works
 
 
 # ---------------------------------------------------------------------------------- 2c/c
@@ -326,7 +383,7 @@ def test_quantity_min_size_is_respected():
 def test_quantity_that_cannot_meet_min_size_raises(monkeypatch):
     monkeypatch.setattr(partition_mod, "MAX_RESAMPLES", 50)
     labels = np.repeat(np.arange(C), 10)
-    with pytest.raises(PartitionError, match=r"quantity\(alpha=0\.01\) could not give every one of 10 clients"):
+    with pytest.raises(PartitionError, match=r"quantity\(alpha=0\.01\) cannot give every one of 10 clients"):
         make_partition(labels, 10, {"kind": "quantity", "alpha": 0.01, "min_size": 10}, seed=0)
 
 

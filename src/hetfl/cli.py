@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hetfl.config import ConfigError, check_device
-from hetfl.data import DATASET_NAMES, PARTITION_KINDS, DataFormatError, PartitionError
+from hetfl.config import ConfigError, check_device, import_plugins
+from hetfl.data import PARTITION_KINDS, DataFormatError, PartitionError, dataset_names
 from hetfl.data.fetch import FetchError, fetch
 from hetfl.fl.payload import PayloadError
 from hetfl.host import flush_denormals, keep_freed_memory
@@ -46,28 +46,28 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set client.epochs=2 (repeatable)")
     p.add_argument("--data-root", default=None, help="dataset folder (default: the config's data_root)")
     p.add_argument("--out", default=None, help="output folder (default: runs/<name>)")
+    _add_plugin_arg(p)
+
+
+def _add_plugin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import this module first: it registers datasets, models or methods (repeatable)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from hetfl.engine.simulator import Simulator, prepare
-    from hetfl.report import results_table, write_plots
+    from hetfl.api import load, run
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load(args.config, args.overrides)
+    select_methods(cfg, args.methods)  # a bad --methods is named as such before anything loads
     if cfg["simulator"]["flush_denormal"]:
         flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
-    select_methods(cfg, args.methods)
-    if args.device:
-        cfg["device"] = args.device
-    out = out_folder(args.out or Path("runs") / cfg["name"])
-    exp = prepare(cfg, args.data_root)
-    cache = None if args.no_cache else Path(args.cache_dir)
-    print(f"{cfg['name']}: {cfg['dataset']} ({len(exp.splits.train)} train / {len(exp.splits.test)} test), "
-          f"{cfg['clients']} clients, partition {cfg['partition']}, device {exp.device}", flush=True)
-    summary = Simulator(exp, out, cache, quiet=args.quiet, resume=not args.fresh, data_root=args.data_root,
-                        keep_checkpoints=args.keep_checkpoints).run()
-    plots = write_plots(out, summary)
-    print(results_table(summary["results"]))
-    print(f"wrote {out / 'summary.json'}, metrics.jsonl, partition.json and {', '.join(p.name for p in plots)}")
+    result = run(args.config, methods=args.methods, out=out_folder(args.out or Path("runs") / cfg["name"]),
+                 data_root=args.data_root, overrides=args.overrides, device=args.device,
+                 cache_dir=None if args.no_cache else args.cache_dir, resume=not args.fresh,
+                 keep_checkpoints=args.keep_checkpoints, quiet=args.quiet, announce=True)
+    print(result.table())
+    plots = sorted(p.name for p in result.folder.glob("*.png"))
+    print(f"wrote {result.folder / 'summary.json'}, metrics.jsonl, partition.json and {', '.join(plots)}")
     return 0
 
 
@@ -79,7 +79,13 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
         raise ConfigError(f"the Flower engine needs the extra: pip install 'hetfl[flower]' ({err})") from err
     from hetfl.report import results_table, write_plots
 
-    cfg = load_config(args.config, args.overrides + ([f"clients={args.clients}"] if args.clients else []))
+    client_data = [d.strip() for d in args.client_data.split(",") if d.strip()] if args.client_data else None
+    if client_data and args.clients and args.clients != len(client_data):
+        raise ConfigError(f"--clients {args.clients} but --client-data names {len(client_data)} folders")
+    clients = len(client_data) if client_data else args.clients
+    sets = [f"clients={clients}"] if clients else []
+    cfg = load_config(args.config, args.overrides + sets + (["flower.node_data=true"]
+                                                            if client_data else []))
     select_methods(cfg, args.methods)
     if args.device:
         check_device(args.device)
@@ -96,8 +102,8 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
             print(line, flush=True)
 
     try:
-        summary = run_local(cfg, out, tls=args.tls or args.auth, auth=args.auth,
-                            data_root=args.data_root, timeout=args.timeout, log=show)
+        summary = run_local(cfg, out, tls=args.tls or args.auth, auth=args.auth, data_root=args.data_root,
+                            timeout=args.timeout, log=show, client_data=client_data)
     except FlowerError as err:
         print(f"hetfl: flower: {err} (the whole log: {out / 'flower.log'})", file=sys.stderr)
         return 1
@@ -228,7 +234,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("methods:   " + ", ".join(sorted(METHODS)))
     print("presets:   " + ", ".join(f"{name} ({spec['method']})" for name, spec in sorted(PRESETS.items())))
     print("models:    " + ", ".join(model_names()))
-    print("datasets:  " + ", ".join(DATASET_NAMES))
+    print("datasets:  " + ", ".join(dataset_names()) + " (and {kind: folder | arrays, path: ...})")
     print("partition: " + ", ".join(PARTITION_KINDS))
     return 0
 
@@ -257,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--clients", type=int, default=None,
                        help="number of clients, one SuperNode each (default: the config's clients)")
     local.add_argument("--methods", default=None, help="run only these methods of the config (comma-separated)")
+    local.add_argument("--client-data", default=None, metavar="DIR1,DIR2,...",
+                       help="one SuperNode per folder, serving DIR/train/<class>/... as its own data (the "
+                            "config's dataset gives the server its test split)")
     local.add_argument("--tls", action="store_true", help="throw-away CA and certificates; everything over TLS")
     local.add_argument("--auth", action="store_true", help="TLS plus SuperNode authentication (registered keys)")
     local.add_argument("--timeout", type=float, default=24 * 3600, help="give up on the run after this many s")
@@ -314,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     lst = sub.add_parser("list", help="list methods, models, datasets and partition kinds")
+    _add_plugin_arg(lst)
     lst.set_defaults(func=cmd_list)
     return parser
 
@@ -322,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # faster CPU runs, same results (hetfl.host)
     try:
+        if getattr(args, "plugin", None):
+            import_plugins(args.plugin, where="--plugin")
         return args.func(args)
     except USER_ERRORS as err:
         print(f"hetfl: error: {err}", file=sys.stderr)

@@ -15,11 +15,12 @@ from typing import Any
 
 import yaml
 
-from hetfl.data import DATASET_NAMES
+from hetfl.data import dataset_names
 from hetfl.data.partition import validate_spec
+from hetfl.data.user import check_spec
 from hetfl.fl.params import ParamError, check
 from hetfl.fl.train_config import TrainConfig
-from hetfl.models import model_names
+from hetfl.models import check_model_name
 
 
 class ConfigError(ValueError):
@@ -32,10 +33,14 @@ TOP_KEYS = {
     "device": "auto", "eval_every": 1, "min_clients": 1, "flower": {}, "simulator": {},
     # a stratified, seeded share of the training split held out before partitioning (0: none)
     "validation": 0.0,
+    # the user's modules, imported before the rest is checked (they register datasets, models, methods)
+    "plugins": [],
 }
 # Settings of the Flower engine (ignored by the in-process simulator): seconds to wait for the
 # uploads of one exchange, and for the SuperNodes to connect before the first exchange.
-FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
+# ``node_data``: every SuperNode serves its own training data (``--node-config "data-dir=DIR"``) instead of
+# a partition of ``dataset``, of which the server reads the test split only.
+FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0, "node_data": False}
 # Settings of the in-process simulator (ignored by the Flower engine): ``batch_clients`` trains the
 # clients of one exchange whose requests allow it (from-scratch classifiers of one architecture and
 # training config) as one vectorised batch, for accelerators that one small model leaves
@@ -46,9 +51,9 @@ FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0}
 # change in the last bits, so its uploads are cached apart too.
 SIMULATOR_KEYS = {"batch_clients": False, "flush_denormal": False}
 _ANY = {"type": "any"}
-TOP_RANGES = {"clients": {"type": "int", "ge": 1}, "dataset": {"type": "str"}, "min_clients": {"ge": 1},
-              "validation": {"ge": 0, "lt": 0.5},
-              **{k: _ANY for k in ("data", "partition", "client", "server", "methods", "flower", "simulator")}}
+TOP_RANGES = {"clients": {"type": "int", "ge": 1}, "min_clients": {"ge": 1}, "validation": {"ge": 0, "lt": 0.5},
+              **{k: _ANY for k in ("dataset", "data", "partition", "client", "server", "methods", "flower",
+                                   "simulator", "plugins")}}
 FLOWER_RANGES = {"timeout": {"gt": 0}, "node_wait": {"gt": 0}}
 CLIENT_KEYS = {"model"} | {f.name for f in fields(TrainConfig)}
 SERVER_KEYS = {"model"}
@@ -88,8 +93,38 @@ def _check_keys(section: str, given: dict[str, Any], valid: set[str]) -> None:
 
 
 def _check_model(where: str, name: Any) -> None:
-    if name not in model_names():
-        raise ConfigError(f"{where}: unknown model {name!r}; choose one of: {', '.join(model_names())}")
+    try:
+        check_model_name(name)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from err
+
+
+def import_plugins(modules: Any, where: str = "plugins") -> list[str]:
+    """Import the user's modules (``package.module`` names), which register datasets, models and methods
+    with :func:`hetfl.register_dataset`, :func:`hetfl.register_model` and :func:`hetfl.register_method`."""
+    import importlib
+
+    if isinstance(modules, str):
+        modules = [modules]
+    if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+        raise ConfigError(f"{where}: a list of module names such as [my_package.my_module], got {modules!r}")
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ConfigError(f"{where}: cannot import {name!r} ({err}); is it on PYTHONPATH?") from err
+    return list(modules)
+
+
+def _check_dataset(spec: Any) -> None:
+    if isinstance(spec, dict):
+        try:
+            check_spec(spec)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    elif spec not in dataset_names():
+        raise ConfigError(f"dataset: unknown {spec!r}; choose one of: {', '.join(dataset_names())}, "
+                          "or {kind: folder | arrays, path: ...}")
 
 
 def client_archs(cfg: dict[str, Any]) -> list[str]:
@@ -117,8 +152,8 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get(key) in (None, {}, ""):
             raise ConfigError(f"config: '{key}' is required")
     cfg = copy.deepcopy(_checked("config", TOP_KEYS, cfg, TOP_RANGES, ""))
-    if cfg["dataset"] not in DATASET_NAMES:
-        raise ConfigError(f"dataset: unknown {cfg['dataset']!r}; choose one of: {', '.join(DATASET_NAMES)}")
+    cfg["plugins"] = import_plugins(cfg["plugins"] or [])  # first: they add names the checks below accept
+    _check_dataset(cfg["dataset"])
     check_device(cfg["device"])
     if not isinstance(cfg["partition"], dict):
         raise ConfigError("partition must be a mapping such as {kind: dirichlet, alpha: 0.1}")
@@ -147,6 +182,9 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg["methods"][label] = dict(params or {})
     cfg["flower"] = _checked("flower", FLOWER_KEYS, dict(cfg["flower"] or {}), FLOWER_RANGES, "flower")
     cfg["simulator"] = _checked("simulator", SIMULATOR_KEYS, dict(cfg["simulator"] or {}), {}, "simulator")
+    if cfg["flower"]["node_data"] and cfg["validation"]:
+        raise ConfigError("validation: the SuperNodes serve their own data (flower.node_data), so no validation "
+                          "share can be held out of it; set validation: 0")
     return cfg
 
 

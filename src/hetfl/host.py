@@ -23,10 +23,12 @@ them (``simulator.flush_denormal``), before it loads any data.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _state: dict[str, str] = {"malloc": "default", "flush_denormal": "off"}
@@ -75,3 +77,20 @@ def flush_denormals() -> bool:
 def flush_denormal_setting() -> bool:
     """Whether :func:`flush_denormals` is on in this process (recorded in run summaries)."""
     return _state["flush_denormal"] == "on"
+
+
+@contextlib.contextmanager
+def denormals_flushed(on: bool) -> Iterator[None]:
+    """:func:`flush_denormals` for one run of the Python API, the process's setting restored after (so
+    that two runs in one process do not leak it into each other)."""
+    before = _state["flush_denormal"]
+    if on:
+        flush_denormals()
+    try:
+        yield
+    finally:
+        if on and before != "on":
+            import torch
+
+            torch.set_flush_denormal(False)
+            _state["flush_denormal"] = before

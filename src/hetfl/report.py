@@ -312,7 +312,9 @@ def partition_title(cfg: dict[str, Any]) -> str:
     spec = dict(cfg.get("partition") or {})
     kind = spec.pop("kind", "")
     how = f"{kind} ({', '.join(f'{k} {v}' for k, v in spec.items())})" if spec else kind
-    head = ", ".join(str(x) for x in (cfg.get("dataset"), f"{cfg['clients']} clients" if cfg.get("clients") else None,
+    dataset = cfg.get("dataset")
+    dataset = f"{dataset['kind']}:{Path(dataset['path']).name}" if isinstance(dataset, dict) else dataset
+    head = ", ".join(str(x) for x in (dataset, f"{cfg['clients']} clients" if cfg.get("clients") else None,
                                       how) if x)
     return f"{cfg.get('name', '')}: {head}\nsamples per client (column) and class (row)"
 

@@ -80,6 +80,9 @@ class DatasetSplits:
     train: ImageDataset
     test: ImageDataset
     val: ImageDataset | None = None
+    # sha256 of the source files' names and bytes, where the data is the user's (a folder, an array file,
+    # a registered loader): the clients' upload-cache keys name it, so changed files are never stale
+    sha256: str | None = None
 
     @property
     def num_classes(self) -> int:
@@ -112,4 +115,5 @@ def hold_out(splits: DatasetSplits, fraction: float, seed: int) -> DatasetSplits
     val = torch.cat(chosen).sort().values
     keep = torch.ones(len(y), dtype=torch.bool)
     keep[val] = False
-    return DatasetSplits(splits.train.subset(keep.nonzero().flatten()), splits.test, splits.train.subset(val))
+    return DatasetSplits(splits.train.subset(keep.nonzero().flatten()), splits.test, splits.train.subset(val),
+                         splits.sha256)

@@ -48,6 +48,10 @@ import numpy as np
 
 PARTITION_KINDS = ("iid", "dirichlet", "classes", "2c/c", "quantity", "feddf_dirichlet")
 MAX_RESAMPLES = 10_000
+# A redraw loop stops after EARLY_DRAWS draws if none came within HOPELESS_SHORT - 1 clients of min_size:
+# success was then out of reach of the remaining draws too, and the message says what would work.
+EARLY_DRAWS = 100
+HOPELESS_SHORT = 3
 
 
 class PartitionError(ValueError):
@@ -120,14 +124,34 @@ def _iid(labels: np.ndarray, m: int, rng: np.random.Generator) -> list[np.ndarra
     return list(np.array_split(rng.permutation(len(labels)), m))
 
 
+def _owners(pieces: list[tuple[np.ndarray, np.ndarray]], m: int) -> list[np.ndarray]:
+    """Each client's indices from per-class (permuted indices, cut points): client ``j`` gets the ``j``-th
+    piece of every class, in class order (as concatenating ``np.split`` pieces would)."""
+    idx = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros(0, np.int64)
+    owner = np.concatenate([np.repeat(np.arange(m), np.diff(cuts, prepend=0, append=len(p))) for p, cuts in pieces]) \
+        if pieces else np.zeros(0, np.int64)
+    order = np.argsort(owner, kind="stable")
+    return np.split(idx[order], np.cumsum(np.bincount(owner, minlength=m))[:-1])
+
+
+def _unreachable(kind: str, m: int, min_size: int, draws: int, short: int, best: int) -> PartitionError:
+    hint = (f"min_size: {best} works with this seed (a draw reached it)" if best > 0
+            else "no draw gave every client a sample")
+    return PartitionError(
+        f"{kind} cannot give every one of {m} clients >= {min_size} samples: in {draws} draws at least {short} "
+        f"clients fell short every time and the best draw's smallest client had {best}; {hint}, or raise alpha "
+        "or use fewer clients")
+
+
 def _dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
     alpha = _positive(spec, "alpha")
     n = len(labels)
     min_size = _min_size(spec, n, m)
     balance = bool(spec.get("balance", True))
     by_class = [np.flatnonzero(labels == k) for k in range(c)]
-    for _ in range(MAX_RESAMPLES):
-        parts: list[list[np.ndarray]] = [[] for _ in range(m)]
+    best, short = -1, m  # over the draws: the largest smallest client, the fewest clients short
+    for draw in range(1, MAX_RESAMPLES + 1):
+        pieces: list[tuple[np.ndarray, np.ndarray]] = []  # per class: permuted indices, cut points
         sizes = np.zeros(m, dtype=np.int64)
         for idx_k in by_class:
             if len(idx_k) == 0:
@@ -139,15 +163,14 @@ def _dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Ge
             if p.sum() <= 0:  # every client is above average: fall back to the raw draw
                 p = rng.dirichlet(np.full(m, alpha))
             cuts = (np.cumsum(p / p.sum()) * len(idx_k)).astype(np.int64)[:-1]
-            for j, piece in enumerate(np.split(idx_k, cuts)):
-                parts[j].append(piece)
-                sizes[j] += len(piece)
+            sizes += np.diff(cuts, prepend=0, append=len(idx_k))
+            pieces.append((idx_k, cuts))
         if sizes.min() >= min_size:
-            return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
-    raise PartitionError(
-        f"dirichlet(alpha={alpha}) could not give every one of {m} clients >= {min_size} samples "
-        f"in {MAX_RESAMPLES} draws; lower min_size, raise alpha or use fewer clients"
-    )
+            return _owners(pieces, m)
+        best, short = max(best, int(sizes.min())), min(short, int((sizes < min_size).sum()))
+        if draw >= EARLY_DRAWS and short >= HOPELESS_SHORT:
+            break
+    raise _unreachable(f"dirichlet(alpha={alpha})", m, min_size, draw, short, best)
 
 
 def _classes(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
@@ -180,15 +203,17 @@ def _quantity(labels: np.ndarray, m: int, spec: dict, rng: np.random.Generator) 
     alpha = _positive(spec, "alpha")
     n = len(labels)
     min_size = _min_size(spec, n, m)
-    for _ in range(MAX_RESAMPLES):
+    best, short = -1, m
+    for draw in range(1, MAX_RESAMPLES + 1):
         shares = rng.dirichlet(np.full(m, alpha))
         cuts = (np.cumsum(shares) * n).astype(np.int64)[:-1]
         sizes = np.diff(np.concatenate([[0], cuts, [n]]))
         if sizes.min() >= min_size:
             return list(np.split(rng.permutation(n), cuts))
-    raise PartitionError(
-        f"quantity(alpha={alpha}) could not give every one of {m} clients >= {min_size} samples"
-    )
+        best, short = max(best, int(sizes.min())), min(short, int((sizes < min_size).sum()))
+        if draw >= EARLY_DRAWS and short >= HOPELESS_SHORT:
+            break
+    raise _unreachable(f"quantity(alpha={alpha})", m, min_size, draw, short, best)
 
 
 FEDDF_GROUP = 10  # FedDF's ``n_auxi_workers``: Dirichlet workers per chunk of the shuffled data

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,19 @@ import torch
 from hetfl.config import ConfigError, check_device, client_archs
 from hetfl.data import DatasetSplits, ImageDataset, Partition, hold_out, load_dataset, make_partition
 from hetfl.methods.checks import check_methods
+from hetfl.models import is_factory
+
+
+def factory_source_sha256(name: str) -> str:
+    """sha256 of the file that defines a ``package.module:factory`` model ("" where it has none)."""
+    import importlib
+    import inspect
+
+    try:
+        path = inspect.getsourcefile(importlib.import_module(name.partition(":")[0]))
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,6 +60,7 @@ class Experiment:
     device: torch.device
     data_root: str = ""  # where the dataset was read (clients read auxiliary sets there too)
     client_data: list[ImageDataset] = field(init=False)
+    _model_sources: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         indices = self.partition.indices if self.partition is not None else []
@@ -59,7 +74,18 @@ class Experiment:
             "indices": hashlib.sha256(idx.astype(np.int64).tobytes()).hexdigest(),
             # the indices count in the training split left after the validation share: name the share
             **({"validation": self.cfg["validation"]} if self.cfg.get("validation") else {}),
+            # the user's files and model code: an edited file or factory never reuses a stale upload
+            **({"sha256": self.splits.sha256} if self.splits.sha256 else {}),
+            **({"model_sources": self.model_sources} if self.model_sources else {}),
         }
+
+    @property
+    def model_sources(self) -> dict[str, str]:
+        """sha256 of the source file of each ``package.module:factory`` model the run uses."""
+        if self._model_sources is None:
+            archs = {*self.archs, self.cfg["server"]["model"]}
+            self._model_sources = {a: factory_source_sha256(a) for a in sorted(archs) if is_factory(a)}
+        return self._model_sources
 
 
 def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool = True,
@@ -70,8 +96,9 @@ def prepare(cfg: dict[str, Any], data_root: str | None = None, partitioned: bool
     cells of one dataset loads it once)."""
     check_methods(cfg)  # an unknown method or parameter fails before the data loads
     device = resolve_device(cfg["device"])
+    own_data = not partitioned and cfg["flower"]["node_data"]  # a server whose SuperNodes hold the training data
     if splits is None:
-        splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"])
+        splits = load_dataset(cfg["dataset"], data_root or cfg["data_root"], cfg["data"], test_only=own_data)
     try:
         splits = hold_out(splits, cfg.get("validation", 0.0), cfg["seed"])
     except ValueError as err:

@@ -12,7 +12,10 @@ tensors in the ``ArrayRecord`` ``"arrays"`` and its JSON metadata in the ``Confi
 
 Each SuperNode knows only its own partition: ``--node-config "partition-id=I num-partitions=N"``
 (plus an optional ``data-root``). It reads the experiment config from the run config, loads the
-dataset from its own disk, recomputes the seeded partition and keeps its own share only.
+dataset from its own disk, recomputes the seeded partition and keeps its own share only. With the
+config's ``flower.node_data``, a SuperNode started with ``--node-config "data-dir=DIR"`` serves its own
+``DIR/train`` instead, labelled by the run's classes and converted to the run's shape, both of which the
+server's info query sends; the server reads only the test split of ``dataset``.
 
 Run configuration (``flwr run APP CONN --run-config FILE.toml``; values are scalars):
 ``hetfl-config`` (the validated experiment config as JSON), ``out-dir`` (where the ServerApp
@@ -38,6 +41,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from hetfl.data import ImageDataset, hold_out, load_dataset, make_partition
+from hetfl.data.user import load_node_folder
 from hetfl.engine.experiment import resolve_device
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.client import ClientEnv, handle
@@ -57,12 +61,15 @@ def _state_keys(namespace: str) -> tuple[str, str]:
 
 
 # ---- Payload <-> RecordDict ------------------------------------------------------------------
-def to_record(payload: Payload, namespace: str = "") -> RecordDict:
+def to_record(payload: Payload, namespace: str = "", client: int | None = None) -> RecordDict:
+    """``namespace``: the method label whose client state the task uses; ``client``: the addressed client id
+    (a SuperNode serving its own data learns its id from it)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in payload.tensors.items()}
     records = {"arrays": ArrayRecord(torch_state_dict=tensors),
                "config": ConfigRecord({"meta": json.dumps(payload.meta)})}
-    if namespace:
-        records[ROUTE] = ConfigRecord({"state": namespace})
+    if namespace or client is not None:
+        records[ROUTE] = ConfigRecord({"state": namespace or "default",
+                                       **({"client": int(client)} if client is not None else {})})
     return RecordDict(records)
 
 
@@ -127,16 +134,46 @@ def node_partition(context: Context, cfg: dict[str, Any]) -> int:
     return pid
 
 
-def node_data(context: Context) -> tuple[dict[str, Any], int, ImageDataset]:
-    """The experiment config, this node's partition id and its training data."""
+RUN_DATA = "hetfl.run-data"  # context.state ConfigRecord: the run's classes and shape, from the info query
+
+
+@lru_cache(maxsize=2)
+def _own_data(folder: str, classes: tuple[str, ...], shape: tuple[int, ...]) -> ImageDataset:
+    return load_node_folder(Path(folder).expanduser(), classes, shape)
+
+
+def own_data(context: Context, cfg: dict[str, Any]) -> ImageDataset | None:
+    """A node started with ``--node-config "data-dir=DIR"``: its own ``DIR/train``, labelled by the run's
+    classes (which the server's info query sent); None for a node that holds a partition."""
+    folder = context.node_config.get("data-dir")
+    if not cfg["flower"]["node_data"]:
+        if folder is not None:
+            raise ValueError(f"this node serves its own data (data-dir={folder}) but the run partitions "
+                             "its dataset; set flower.node_data: true in the config")
+        return None
+    if folder is None:
+        raise ValueError("this run's SuperNodes serve their own data: start the SuperNode with "
+                         "--node-config \"data-dir=DIR\" (DIR/train/<class>/<image>)")
+    if RUN_DATA not in context.state.config_records:
+        raise ValueError("no class list from the server yet (its info query comes first)")
+    run = context.state.config_records[RUN_DATA]
+    return _own_data(str(folder), tuple(json.loads(str(run["classes"]))), tuple(json.loads(str(run["shape"]))))
+
+
+def node_data(context: Context, client: int | None = None) -> tuple[dict[str, Any], int, ImageDataset]:
+    """The experiment config, this node's client id and its training data: a partition of the dataset, or
+    the node's own folder (its id: ``partition-id`` if given, else the one the server addresses)."""
     cfg = experiment_config(context.run_config)
+    if (data := own_data(context, cfg)) is not None:
+        pid = int(context.node_config.get("partition-id", -1 if client is None else client))
+        return cfg, pid, data
     pid = node_partition(context, cfg)
     root = str(context.node_config.get("data-root", cfg["data_root"]))
     return cfg, pid, _client_data(json.dumps(cfg, sort_keys=True), root, pid)
 
 
-def client_env(context: Context, namespace: str) -> ClientEnv:
-    cfg, pid, data = node_data(context)
+def client_env(context: Context, namespace: str, client: int | None = None) -> ClientEnv:
+    cfg, pid, data = node_data(context, client)
     return ClientEnv(pid, data, resolve_device(cfg["device"]), state_from_records(context, namespace),
                      data_root=str(context.node_config.get("data-root", cfg["data_root"])))
 
@@ -146,6 +183,9 @@ client_app = ClientApp()
 
 @client_app.query("hetfl_info")
 def node_info(msg: Message, context: Context) -> Message:
+    run = msg.content.config_records.get("run")
+    if run is not None:  # the run's classes and shape: a node serving its own data labels it by them
+        context.state[RUN_DATA] = ConfigRecord({"classes": str(run["classes"]), "shape": str(run["shape"])})
     cfg, pid, data = node_data(context)
     info = {"partition-id": pid, "num-partitions": cfg["clients"], "num-samples": len(data),
             "label-counts": json.dumps(data.label_counts().tolist())}
@@ -156,7 +196,8 @@ def node_info(msg: Message, context: Context) -> Message:
 def client_task(msg: Message, context: Context) -> Message:
     route = msg.content.config_records.get(ROUTE)
     namespace = str(route["state"]) if route is not None else "default"
-    env = client_env(context, namespace)
+    client = int(route["client"]) if route is not None and "client" in route else None
+    env = client_env(context, namespace, client)
     upload = handle(from_record(msg.content), env)
     state_to_records(env.state, context, namespace)
     return Message(to_record(upload), reply_to=msg)
@@ -167,12 +208,21 @@ class FlowerTransport:
     """Sends each exchange's messages to the SuperNodes holding the addressed partitions."""
 
     def __init__(self, grid: Grid, num_clients: int, timeout: float, node_wait: float,
-                 poll: float = 0.2) -> None:
+                 poll: float = 0.2, classes: list[str] | None = None, shape: tuple[int, ...] | None = None) -> None:
         self.grid, self.num_clients, self.timeout, self.node_wait = grid, num_clients, timeout, node_wait
         self.poll = poll
+        self.classes, self.shape = classes, shape  # sent to the nodes (those serving their own data use them)
         self.nodes: dict[int, int] = {}  # client (partition) id -> node id
         self.info: dict[int, tuple[int, list[int]]] = {}  # client id -> (sample count, label histogram)
+        self.refused: dict[int, str] = {}  # node id -> why it holds no client of this run
         self.exchanges = 0
+
+    def _query(self, nid: int) -> Message:
+        content = RecordDict()
+        if self.classes is not None and self.shape is not None:
+            content["run"] = ConfigRecord({"classes": json.dumps(list(self.classes)),
+                                           "shape": json.dumps(list(self.shape))})
+        return Message(content, dst_node_id=nid, message_type=INFO)
 
     def connect(self) -> dict[int, int]:
         """Wait up to ``node_wait`` s for the SuperNodes, then ask each which partition it holds."""
@@ -180,20 +230,32 @@ class FlowerTransport:
         while len(ids := list(self.grid.get_node_ids())) < self.num_clients and time.monotonic() < deadline:
             time.sleep(0.5)
         log.info("hetfl: %d SuperNode(s) connected (expected %d)", len(ids), self.num_clients)
-        queries = [Message(RecordDict(), dst_node_id=nid, message_type=INFO) for nid in ids]
-        for reply in self.send_and_receive(queries):
+        unassigned = []  # nodes serving their own data without a partition-id: ids in node-id order
+        for reply in sorted(self.send_and_receive([self._query(nid) for nid in ids]),
+                            key=lambda r: r.metadata.src_node_id):
             nid = reply.metadata.src_node_id
             if reply.has_error():
-                log.warning("hetfl: node %s refused the info query: %s", nid, reply.error.reason)
+                self.refused[nid] = reply.error.reason
+                log.warning("hetfl: node %s refused: %s", nid, reply.error.reason)
                 continue
             info = reply.content.config_records["config"]
             pid = int(info["partition-id"])
-            if pid in self.nodes:
-                log.warning("hetfl: node %s also claims partition %d (held by node %s): ignored",
-                            nid, pid, self.nodes[pid])
+            counts = (int(info["num-samples"]), json.loads(str(info["label-counts"])))
+            if pid < 0:
+                unassigned.append((nid, counts))
+            elif pid in self.nodes or pid >= self.num_clients:
+                self.refused[nid] = f"claims client {pid}, " + (f"held by node {self.nodes[pid]}" if pid in self.nodes
+                                                                 else f"beyond the run's {self.num_clients} clients")
+                log.warning("hetfl: node %s %s: ignored", nid, self.refused[nid])
+            else:
+                self.nodes[pid], self.info[pid] = nid, counts
+        free = (c for c in range(self.num_clients) if c not in self.nodes)
+        for nid, counts in unassigned:
+            if (pid := next(free, None)) is None:
+                self.refused[nid] = f"one node more than the run's {self.num_clients} clients"
+                log.warning("hetfl: node %s is %s: ignored", nid, self.refused[nid])
                 continue
-            self.nodes[pid] = nid
-            self.info[pid] = (int(info["num-samples"]), json.loads(str(info["label-counts"])))
+            self.nodes[pid], self.info[pid] = nid, counts
         return self.nodes
 
     def client_info(self) -> dict[str, list]:
@@ -224,8 +286,8 @@ class FlowerTransport:
         self.exchanges += 1
         failures = {cid: "no SuperNode holds this partition" for cid in messages if cid not in self.nodes}
         by_node = {self.nodes[cid]: cid for cid in messages if cid in self.nodes}
-        out = [Message(to_record(messages[cid], namespace), dst_node_id=nid, message_type=TRAIN, group_id=str(round_))
-               for nid, cid in by_node.items()]
+        out = [Message(to_record(messages[cid], namespace, cid), dst_node_id=nid, message_type=TRAIN,
+                       group_id=str(round_)) for nid, cid in by_node.items()]
         start = time.perf_counter()
         log.info("hetfl: round %d: sent %d message(s)", round_, len(out))
         uploads: dict[int, Payload] = {}
@@ -248,6 +310,11 @@ class FlowerTransport:
         return uploads, failures
 
 
+def run_classes(test: ImageDataset) -> list[str]:
+    """The run's class names (a node serving its own data labels its folders by them); 0..C-1 unnamed."""
+    return list(test.class_names or [str(c) for c in range(test.num_classes)])
+
+
 server_app = ServerApp()
 
 
@@ -260,11 +327,17 @@ def server_main(grid: Grid, context: Context) -> None:
     root = str(context.run_config.get("data-root", "")) or cfg["data_root"]
     exp = prepare(cfg, root, partitioned=False)  # the server reads the test split only
     transport = FlowerTransport(grid, cfg["clients"], float(cfg["flower"]["timeout"]),
-                                float(cfg["flower"]["node_wait"]))
+                                float(cfg["flower"]["node_wait"]), classes=run_classes(exp.splits.test),
+                                shape=exp.splits.shape)
     nodes = transport.connect()
     sim = Simulator(exp, out, cache_dir=None, quiet=True, resume=False, data_root=root, transport=transport)
     sim.engine_info = {"name": "flower", "nodes": {str(k): v for k, v in sorted(nodes.items())},
-                       "missing_nodes": sorted(set(range(cfg["clients"])) - set(nodes))}
+                       "missing_nodes": sorted(set(range(cfg["clients"])) - set(nodes)),
+                       **({"refused_nodes": {str(k): v for k, v in sorted(transport.refused.items())}}
+                          if transport.refused else {})}
+    if cfg["flower"]["node_data"]:  # what each node serves: its sample count and label histogram
+        sim.engine_info["node_data"] = {str(c): {"node": nodes[c], "num_samples": transport.info[c][0],
+                                                 "label_counts": transport.info[c][1]} for c in sorted(nodes)}
     summary = sim.run()
     for name, result in summary["results"].items():
         log.info("hetfl: %s accuracy %.2f (best %.2f)", name, result["accuracy"], result["best_accuracy"])

@@ -77,6 +77,8 @@ def flower_env(home: Path) -> dict[str, str]:
                FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.2")
     # the SuperLink and SuperNodes start flower-superexec / flwr-*app by name: use this venv's
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # the processes run in FLWR_HOME: a config's plugins importable from here must be importable there
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -193,6 +195,7 @@ class LocalFederation:
 
     num_nodes: int
     tls: bool = False
+    client_data: list[str] | None = None  # one folder per SuperNode, which serves it as its own data
     auth: bool = False
     data_root: str | None = None
     log: Callable[[str], None] = print
@@ -259,6 +262,8 @@ class LocalFederation:
         """SuperNode holding partition ``pid``; with ``auth``, a fresh key registered (or not)."""
         name = name or f"supernode-{pid}"
         node_config = f"partition-id={pid} num-partitions={self.num_nodes}"
+        if self.client_data:
+            node_config = f"data-dir='{Path(self.client_data[pid]).resolve()}' partition-id={pid}"
         if self.data_root:
             node_config += f" data-root='{Path(self.data_root).resolve()}'"
         cmd = [binary("flower-supernode"), *self._security(node=True), "--superlink", f"127.0.0.1:{self.port}",
@@ -437,9 +442,20 @@ def start_watchdog(home: Path) -> subprocess.Popen:
 def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, tls: bool = False,
               auth: bool = False, data_root: str | None = None, timeout: float = 3600,
               log: Callable[[str], None] = print,
-              on_started: Callable[[LocalFederation, int], None] | None = None) -> dict[str, Any]:
+              on_started: Callable[[LocalFederation, int], None] | None = None,
+              client_data: list[str] | None = None) -> dict[str, Any]:
     """Run ``cfg`` on a loopback federation; return the ServerApp's ``summary.json``.
-    ``on_started(federation, run_id)`` runs after submission (fault-injection hook for tests)."""
+    ``on_started(federation, run_id)`` runs after submission (fault-injection hook for tests);
+    ``client_data``: one folder per SuperNode, served as its own data (``cfg``'s flower.node_data)."""
+    if client_data:
+        missing = [d for d in client_data if not (Path(d) / "train").is_dir()]
+        if missing:
+            raise ValueError(f"--client-data {missing[0]}: no train/ folder (expected {missing[0]}/train/<class>/...)")
+        if any("'" in str(Path(d).resolve()) for d in client_data):
+            raise ValueError("--client-data: a folder path with a quote (') cannot go into a node config")
+        cfg = {**cfg, "clients": len(client_data), "flower": {**cfg["flower"], "node_data": True}}
+        if isinstance(cfg["dataset"], dict):  # the ServerApp runs in the federation's folder
+            cfg["dataset"] = {**cfg["dataset"], "path": str(Path(cfg["dataset"]["path"]).expanduser().resolve())}
     num_nodes = num_nodes or int(cfg["clients"])
     if num_nodes != cfg["clients"]:
         raise ValueError(f"--clients {num_nodes} differs from the config's clients: {cfg['clients']}; "
@@ -454,7 +470,7 @@ def run_local(cfg: dict[str, Any], out_dir: Path, num_nodes: int | None = None, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").unlink(missing_ok=True)
-    fed = LocalFederation(num_nodes, tls=tls, auth=auth, data_root=data_root, log=log)
+    fed = LocalFederation(num_nodes, tls=tls, auth=auth, client_data=client_data, data_root=data_root, log=log)
     (fed.home / OWNER).write_text(str(os.getpid()))
     watchdog = start_watchdog(fed.home)
     try:

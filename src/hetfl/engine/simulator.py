@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 import hetfl.methods  # noqa: F401  (registers methods and client tasks)
 from hetfl.config import SIMULATOR_KEYS
-from hetfl.data import ImageDataset
+from hetfl.data import ImageDataset, dataset_label
 from hetfl.engine.environment import code_revision, run_environment
 from hetfl.engine.experiment import Experiment, prepare  # noqa: F401  (prepare: callers import it from here)
 from hetfl.engine.uploads import ClientExchange, Transport
@@ -161,7 +161,8 @@ class Simulator:
             num_clients=cfg["clients"], client_archs=exp.archs, server_arch=cfg["server"]["model"],
             train_cfg=train_cfg, device=exp.device, out_dir=method_dir, evaluate=evaluate_model,
             log=lambda step, **m: self._log(name, step, **m), progress=self.progress,
-            pooled_train_data=pooled, dataset=cfg["dataset"], data_root=Path(self.data_root or cfg["data_root"]),
+            pooled_train_data=pooled, dataset=dataset_label(cfg["dataset"]),
+            data_root=Path(self.data_root or cfg["data_root"]),
             resume=self.resume, trim_log=lambda step: self._trim_metrics(name, step),
             restore_history=restore, validate=validate_model,
         )
@@ -352,7 +353,9 @@ class Simulator:
 
     def _check(self, name: str, method: Method) -> None:
         try:
-            method.check(self._context(name, CommLedger(), []))
+            ctx = self._context(name, CommLedger(), [], make_dir=False)
+            method.check_models(ctx)
+            method.check(ctx)
         except ValueError as err:
             raise ValueError(f"methods.{name}: {err}") from err
 
@@ -459,6 +462,11 @@ class Simulator:
                         **({"sizes": self.exp.partition.sizes.tolist(),
                             "class_counts": self.exp.partition.counts.tolist()}  # (clients, classes)
                            if self.exp.partition is not None else {})},
+            # what the data was: the models' input shape and classes (hetfl.load_run rebuilds models from it)
+            "data": {"name": dataset_label(self.exp.cfg["dataset"]), "shape": list(self.exp.splits.shape),
+                     "num_classes": self.exp.splits.num_classes, "class_names": self.exp.splits.train.class_names,
+                     "train": len(self.exp.splits.train), "test": len(self.exp.splits.test),
+                     **({"sha256": self.exp.splits.sha256} if self.exp.splits.sha256 else {})},
             "engine": self.engine_info,
             "environment": run_environment(self.exp.device),
             # uploads this run trained into its cache (train_uploads included): where every method then

@@ -34,7 +34,7 @@ from hetfl.fl.clientbook import DEFAULT_MEMORY_LIMIT, SPILL_DIR, ClientBook
 from hetfl.fl.params import ParamError, check
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.train_config import TrainConfig
-from hetfl.models import build_model, model_names
+from hetfl.models import build_model, is_factory, missing_attributes, model_names
 
 log = logging.getLogger("hetfl")
 
@@ -113,6 +113,9 @@ class Method(ABC):
     defaults: ClassVar[dict[str, Any]] = {}  # every key with its default: the default's type is the key's type
     # ranges and choices of keys beyond hetfl.fl.params.COMMON_RANGES, e.g. {"r_th": {"gt": 0, "le": 1}}
     ranges: ClassVar[dict[str, dict[str, Any]]] = {}
+    # attributes the method calls on its models beyond forward (KDIA: extract, classify, feature_shape);
+    # :meth:`check_models` checks every model of the run for them before any training
+    model_needs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: dict[str, Any] | None = None, label: str | None = None) -> None:
         params = dict(params or {})
@@ -124,6 +127,19 @@ class Method(ABC):
         TrainConfig.checked(overrides, where="client")  # types and ranges of the keys given
         self.client_overrides: dict[str, Any] = dict(overrides)
         self.params = check(self.method, self.defaults, params, self.ranges)
+
+    def check_models(self, ctx: ServerContext) -> None:
+        """ValueError naming the first model of the run (client or server) that lacks one of
+        :attr:`model_needs`, and the base class that has them; engines call it before :meth:`check`."""
+        if not self.model_needs:
+            return
+        for arch in sorted({*ctx.client_archs, ctx.server_arch}):
+            with torch.random.fork_rng(devices=[]):
+                model = build_model(arch, ctx.shape[0], ctx.shape[1], ctx.num_classes)
+            if missing := missing_attributes(model, self.model_needs):
+                raise ValueError(f"{self.method} needs models with {', '.join(self.model_needs)}; the model "
+                                 f"{arch!r} ({type(model).__name__}) lacks {', '.join(missing)}: subclass "
+                                 "hetfl.models.HetflModel (forward = classify(extract(x)))")
 
     def check(self, ctx: ServerContext) -> None:
         """Raise ValueError if this method cannot run on this setting (called by engines for every
@@ -142,7 +158,7 @@ class Method(ABC):
         if upload.meta.get("client_id") != client_id:
             raise PayloadError(f"upload claims client {upload.meta.get('client_id')!r}, expected {client_id}")
         arch = message.meta.get("arch")
-        if arch in model_names() and "arch" in upload.meta:
+        if isinstance(arch, str) and (arch in model_names() or is_factory(arch)) and "arch" in upload.meta:
             if upload.meta["arch"] != arch:
                 raise PayloadError(f"architecture {upload.meta['arch']!r}, expected {arch!r}")
             upload.validate(_state_shapes(arch, ctx.shape, ctx.num_classes), required_meta=("num_samples",))
@@ -291,6 +307,22 @@ def register(name: str) -> Callable:
             raise ValueError(f"method {name!r} registered twice")
         METHODS[name] = obj
         return obj
+
+    return deco
+
+
+def register_method(name: str) -> Callable:
+    """The public decorator (``hetfl.register_method``): a :class:`Method` subclass becomes ``method: name``
+    in configs, on every engine (Flower SuperNodes import the same plugin module); its client tasks are
+    registered with :func:`hetfl.fl.client.client_task`. A name taken raises ``ValueError``."""
+
+    def deco(obj: Any) -> Any:
+        if not (isinstance(obj, type) and issubclass(obj, Method)):
+            raise ValueError(f"register_method({name!r}) needs a Method subclass, got {obj!r}")
+        if name in PRESETS:
+            raise ValueError(f"method {name!r} clashes with a preset")
+        obj.name = name
+        return register(name)(obj)
 
     return deco
 

@@ -104,6 +104,7 @@ def train_generator(generator: FeatureGenerator, opt: torch.optim.Optimizer, hea
 
 @register("kdia")
 class KDIA(ServerGenerator, FedAvgRounds):
+    model_needs = ("extract", "classify", "feature_shape")
     name = "kdia"
     keep_client_models = True
     defaults = {**ROUND_DEFAULTS, "lambda_kd": 0.5, "tau": 2.0, "lambda_gen": 1.0, "kd_direction": "paper",
