@@ -86,3 +86,15 @@ def test_write_plots_is_deterministic(tmp_path):
     first = {p.name: p.read_bytes() for p in written}
     assert {p.name: p.read_bytes() for p in write_plots(tmp_path, summary)} == first
     assert all(b"Software" not in data for data in first.values())
+
+
+def test_a_method_with_a_known_failure_at_chance_is_marked_and_explained():
+    rows = {"fedavg": result(50.0, 50.0, method="fedavg", params={"rounds": 1}),
+            "fedhydra": result(10.1, 10.3, method="fedhydra", params={"epochs": 200, "generator_steps": 30}),
+            "fedhydra_dense_log1p": result(60.0, 61.0, method="fedhydra",
+                                           params={"epochs": 200, "generator_steps": 30})}
+    lines = results_table(rows).splitlines()
+    assert lines[3].split()[:2] == ["fedhydra", "*"] and "*" not in lines[4]  # only the row at chance
+    assert len({len(x) for x in lines[:5]}) == 1
+    assert lines[-1].startswith("* fedhydra ended at 10.10 % (chance for 10 classes): FedHydra as its paper "
+                                "writes it") and "docs/results/fedhydra.md" in lines[-1]

@@ -241,9 +241,10 @@ def finished_tiny_cell(tmp_path: Path) -> tuple[Paper, Path, dict, Path]:
     return paper, root, cell, root / cell["name"] / "summary.json"
 
 
-def test_a_stopped_cell_stays_off_the_page_and_out_of_the_archive(tmp_path, capsys):
+def test_a_stopped_cell_stays_off_the_page_and_saves_only_what_it_finished(tmp_path, capsys):
     """A cell of the runs folder that lacks a result for one of its methods (a grid stopped mid-cell)
-    neither reaches the page nor replaces the archived cell of its name; once finished, it does."""
+    does not reach the page; ``--save`` puts the methods it finished into the archived cell of its name
+    (which stays whole), and archives nothing where no whole cell is archived; once finished, it does."""
     from hetfl.reproduce.report import load_cells
     from hetfl.reproduce.runner import save_archive
 
@@ -258,8 +259,14 @@ def test_a_stopped_cell_stays_off_the_page_and_out_of_the_archive(tmp_path, caps
     archive.write_text(json.dumps({cell["name"]: old}))
     assert load_cells(root, archive) == {cell["name"]: old}
     assert load_cells(root, tmp_path / "none.json") == {}
-    assert save_archive(paper, root, archive) == 0 and json.loads(archive.read_text()) == {cell["name"]: old}
+    assert save_archive(paper, root, tmp_path / "empty.json") == 0
+    assert json.loads((tmp_path / "empty.json").read_text()) == {}
     assert f"not archived: {cell['name']} has no result yet for ensemble" in capsys.readouterr().out
+    assert save_archive(paper, root, archive) == 1
+    saved = json.loads(archive.read_text())[cell["name"]]["results"]
+    assert saved["ensemble"] == old["results"]["ensemble"]
+    assert saved["fedavg"] == condense(stopped, path.parent)["results"]["fedavg"]
+    assert f"{cell['name']}: archived fedavg; ensemble stay as archived" in capsys.readouterr().out
     path.write_text(json.dumps(whole))
     assert load_cells(root, archive)[cell["name"]] == condense(whole, path.parent)
 

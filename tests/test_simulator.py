@@ -562,3 +562,38 @@ def test_client_states_travel_with_the_round_checkpoint(tmp_path, tiny_config):
     assert sim._resume_rounds(path, "fedavg", method, ctx, ledger, restored) == 1
     assert torch.equal(restored[0]["prev"], torch.arange(4.0)) and restored[0]["seen"] == 3
     assert restored[2] == {"note": "x"} and ctx.record["seconds_before_resume"] == 4.0
+
+
+SCALE = """
+import json, resource, sys, time
+import torch
+torch.set_num_threads(1)
+from hetfl.data import load_dataset
+from hetfl.engine.simulator import Simulator, prepare
+from hetfl.methods.checks import validate
+from hetfl.report import write_plots
+data = {"classes": 10, "channels": 1, "size": 16, "train_per_class": 6000, "test_per_class": 20}
+cfg = validate({"name": "n10k", "dataset": "synthetic", "data": data, "partition": {"kind": "iid"}, "clients": 10000,
+                "client": {"model": "cnn2", "epochs": 1, "batch_size": 8, "lr": 0.05},
+                "methods": {"fedavg": {"rounds": 2, "sample_ratio": 0.001}}})
+splits = load_dataset("synthetic", options=data)
+start = time.perf_counter()
+sim = Simulator(prepare(cfg, splits=splits), sys.argv[1], None, quiet=True, resume=False)
+setup = time.perf_counter() - start
+summary = sim.run()
+write_plots(sim.out_dir, summary)
+print(json.dumps({"setup": setup, "total": time.perf_counter() - start,
+                  "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+"""
+
+
+def test_ten_thousand_clients_set_up_in_seconds_and_fit_in_a_gigabyte(tmp_path):
+    """Bounds are generous (a loaded 2-core machine); docs/BENCHMARKS.md has the measured figures."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SCALE, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["setup"] < 5 and got["peak_gib"] < 1.0 and got["total"] < 60, got
+    assert (tmp_path / "partition.png").is_file()  # histograms, not 10,000 columns of bubbles

@@ -151,7 +151,7 @@ def cmd_flower_key(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     from hetfl.data import load_dataset, make_partition
-    from hetfl.report import plot_partition
+    from hetfl.report import BUBBLE_MAX_CLIENTS, plot_partition
 
     cfg = load_config(args.config, args.overrides)
     splits = load_dataset(cfg["dataset"], args.data_root or cfg["data_root"], cfg["data"])
@@ -162,12 +162,17 @@ def cmd_partition(args: argparse.Namespace) -> int:
     (out / "partition.json").write_text(json.dumps(part.stats()))
     plot_partition(part.counts, out / "partition.png", cfg["name"])
     width = max(5, len(str(part.counts.max())) + 1)
+    shown = part.counts if len(part.counts) <= BUBBLE_MAX_CLIENTS else part.counts[:20]
     print("client " + "".join(f"{k:>{width}}" for k in range(part.num_classes)) + f"{'total':>8}")
-    for i, row in enumerate(part.counts):
+    for i, row in enumerate(shown):
         print(f"{i:>6} " + "".join(f"{v:>{width}}" for v in row) + f"{row.sum():>8}")
+    if len(shown) < len(part.counts):
+        print(f"... ({len(part.counts) - len(shown)} more clients in partition.json)")
     sizes = part.sizes
-    print(f"sizes: min {sizes.min()}, max {sizes.max()}, mean {sizes.mean():.1f}; "
-          f"classes per client (>0): {np.count_nonzero(part.counts, axis=1).tolist()}")
+    held = np.count_nonzero(part.counts, axis=1)
+    by_held = held.tolist() if len(held) <= BUBBLE_MAX_CLIENTS else \
+        "clients holding k classes " + str({int(k): int(n) for k, n in enumerate(np.bincount(held)) if n})
+    print(f"sizes: min {sizes.min()}, max {sizes.max()}, mean {sizes.mean():.1f}; classes per client (>0): {by_held}")
     print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
     return 0
 

@@ -32,21 +32,37 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
     the best test accuracy over the evaluations (test-set selection, the papers' protocol).
     Under it: :func:`budget_note` (the methods run far below their default budget), :func:`seconds_note`
     (the clients' local training, which the server seconds leave out) and :func:`collapse_notes`."""
-    w = max([14, *(len(name) for name in results)])  # the method column fits the longest name
+    w = max([14, *(len(name) + 2 for name in results)])  # the method column fits the longest name and a mark
     val = any("val_selected_accuracy" in r for r in results.values())  # a run with a validation split
     header = (f"{'method':<{w}} {'final acc %':>11} " + (f"{'val-sel. %':>10} " if val else "")
               + f"{'best acc %':>10} {'server s':>8} {'bytes up':>10}")
     lines = [header, "-" * len(header)]
+    caveats = caveat_notes(results)
     for name, r in results.items():
         server = r.get("server_seconds", r["seconds"])
         picked = f"{r['val_selected_accuracy']:>10.2f} " if "val_selected_accuracy" in r else f"{'-':>10} "
-        lines.append(f"{name:<{w}} {r['accuracy']:>11.2f} " + (picked if val else "")
+        shown = f"{name} *" if name in caveats else name
+        lines.append(f"{shown:<{w}} {r['accuracy']:>11.2f} " + (picked if val else "")
                      + f"{r['best_accuracy']:>10.2f} {server:>8.1f} {human_bytes(r['bytes_up']):>10}")
         for sub, acc in (r.get("models") or {}).items():
             if sub != name:
                 lines.append(f"  {sub:<{w - 2}} {acc:>11.2f}")
     notes = [budget_note(results), seconds_note(results)]
-    return "\n".join(lines + [n for n in notes if n] + collapse_notes(results))
+    return "\n".join(lines + [n for n in notes if n] + collapse_notes(results) + list(caveats.values()))
+
+
+def caveat_notes(results: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """``{label: note}`` for each method at chance whose method class states a :attr:`Method.caveat`."""
+    import hetfl.methods  # noqa: F401  (registers the methods)
+    from hetfl.fl.method import METHODS
+
+    notes = {}
+    for name, r in results.items():
+        cls, classes = METHODS.get(str(r.get("method"))), len(r.get("per_class") or [])
+        caveat = getattr(cls, "caveat", "") if isinstance(cls, type) else ""
+        if caveat and classes >= 2 and r["accuracy"] <= collapse_bounds(classes)[0]:
+            notes[name] = f"* {name} ended at {r['accuracy']:.2f} % (chance for {classes} classes): {caveat}"
+    return notes
 
 
 # The keys that size a server stage, by the unit they count (the generator family's epochs T_g and
@@ -142,10 +158,26 @@ def collapse_notes(results: dict[str, dict[str, Any]]) -> list[str]:
     return notes
 
 
+BUBBLE_MAX_CLIENTS = 100  # above this, the partition figure summarises (histograms) instead of one column each
+
+
+def label_entropy(counts: np.ndarray) -> np.ndarray:
+    """Each client's label entropy over log(classes): 0 = one class, 1 = every class alike."""
+    counts = np.asarray(counts, dtype=np.float64)
+    p = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
+    return h / np.log(counts.shape[1]) if counts.shape[1] > 1 else np.zeros(len(counts))
+
+
 def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
-    """Bubble plot: one column per client, one row per class, area proportional to the count."""
+    """Bubble plot: one column per client, one row per class, area proportional to the count; above
+    :data:`BUBBLE_MAX_CLIENTS` clients, histograms of the clients' sizes and label entropies."""
     counts = np.asarray(counts)
     m, c = counts.shape
+    if m > BUBBLE_MAX_CLIENTS:
+        _plot_partition_summary(counts, path, title)
+        return
     clients, classes = np.meshgrid(np.arange(m), np.arange(c), indexing="ij")
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * m + 2), max(3, 0.35 * c + 1.5)))
     sizes = 900 * counts / max(counts.max(), 1)
@@ -158,6 +190,23 @@ def plot_partition(counts: np.ndarray, path: Path, title: str = "") -> None:
     ax.set_xlim(-0.7, m - 0.3)
     ax.set_ylim(-0.7, c - 0.3)
     ax.set_title(title or f"samples per client and class (max {counts.max()})", fontsize=9)
+    save_figure(fig, path)
+
+
+def _plot_partition_summary(counts: np.ndarray, path: Path, title: str) -> None:
+    m, c = counts.shape
+    sizes, entropy = counts.sum(axis=1), label_entropy(counts)
+    held = np.count_nonzero(counts, axis=1)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    axes[0].hist(sizes, bins=min(50, max(5, len(np.unique(sizes)))), color="tab:red", alpha=0.7)
+    axes[0].set_xlabel(f"samples per client (min {sizes.min()}, median {int(np.median(sizes))}, max {sizes.max()})")
+    axes[1].hist(entropy, bins=40, range=(0, 1), color="tab:blue", alpha=0.7)
+    axes[1].set_xlabel("label entropy / log(classes) (0: one class, 1: uniform)")
+    axes[2].hist(held, bins=np.arange(0.5, c + 1.5), color="tab:green", alpha=0.7)
+    axes[2].set_xlabel("classes held per client")
+    for ax in axes:
+        ax.set_ylabel("clients")
+    fig.suptitle((title.split("\n")[0] if title else "partition") + f": {m} clients, {c} classes", fontsize=9)
     save_figure(fig, path)
 
 

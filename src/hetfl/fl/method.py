@@ -116,6 +116,9 @@ class Method(ABC):
     # attributes the method calls on its models beyond forward (KDIA: extract, classify, feature_shape);
     # :meth:`check_models` checks every model of the run for them before any training
     model_needs: ClassVar[tuple[str, ...]] = ()
+    # what a reader of a results table must know when this method ends at chance (a known failure of the
+    # method as its paper writes it, and where it is measured); tables mark such a row
+    caveat: ClassVar[str] = ""
 
     def __init__(self, params: dict[str, Any] | None = None, label: str | None = None) -> None:
         params = dict(params or {})

@@ -219,6 +219,9 @@ class FedHydraRecipe(Recipe):
 @register("fedhydra")
 class FedHydra(DataFreeMethod):
     name = "fedhydra"
+    caveat = ("FedHydra as its paper writes it (Alg. 1-3): its student collapses to chance on MNIST and "
+              "Fashion-MNIST, see docs/results/fedhydra.md; fedhydra_dense_log1p runs its losses in the "
+              "authors' loop")
     method_defaults: dict[str, Any] = {"lr": 0.01, "beta": 1.0, "strat_batch_size": 64, "temperature": 1.0,
                                        "u_transform": "none", "aggregation": "stratified",
                                        "reset_generator": False, "column_scale": "sum", "adv_mask": "none",

@@ -147,11 +147,18 @@ def run_grid(cells: list[dict[str, Any]], root: Path, cache: Path | None, data_r
 
 def save_archive(paper: Paper, root: Path, archive: Path) -> int:
     """Add the finished cells of the runs folder (a result for every method of their config) to the
-    archived results (condensed, no models); a cell still running or stopped is named and left out."""
+    archived results (condensed, no models). A cell still running or stopped is left out, but for one the
+    archive already holds whole: its finished methods replace the archived ones (a stopped re-run), the
+    others stay as archived, so the archived cell stays whole."""
     saved = json.loads(archive.read_text()) if archive.is_file() else {}
     done, unfinished = runs_cells(root)
     for name, missing in unfinished.items():
-        print(f"not archived: {name} has no result yet for {', '.join(missing)}")
+        summary = json.loads((root / name / "summary.json").read_text())
+        if name in saved and set(missing) <= set(saved[name]["results"]) and summary["results"]:
+            done[name] = summary
+            print(f"{name}: archived {', '.join(summary['results'])}; {', '.join(missing)} stay as archived")
+        else:
+            print(f"not archived: {name} has no result yet for {', '.join(missing)}")
     for name, summary in done.items():
         saved[name] = merge_cell(saved.get(name), condense(summary, root / name))
         for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
