@@ -402,3 +402,14 @@ def test_flower_local_with_client_data_folders_runs_fedavg_and_kdia_over_tls(tmp
     (reason,) = summary["engine"]["refused_nodes"].values()
     assert "class 'bat' is not among the run's classes" in reason and summary["engine"]["missing_nodes"] == [2]
     assert {f["client"] for f in summary["results"]["fedavg"]["client_failures"]} == {2}
+
+
+def test_hetfl_partition_divides_what_a_run_divides(tmp_path, capsys):
+    cfg = {**user_config({"kind": "arrays", "path": str(write_npz(tmp_path / "pets.npz"))}), "validation": 0.2}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    assert main(["partition", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "part")]) == 0
+    from hetfl.engine.simulator import prepare
+    from hetfl.methods.checks import validate
+
+    exp = prepare(validate(cfg))
+    assert json.loads((tmp_path / "part" / "partition.json").read_text())["counts"] == exp.partition.counts.tolist()

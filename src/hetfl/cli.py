@@ -150,11 +150,12 @@ def cmd_flower_key(args: argparse.Namespace) -> int:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from hetfl.data import load_dataset, make_partition
+    from hetfl.data import hold_out, load_dataset, make_partition
     from hetfl.report import BUBBLE_MAX_CLIENTS, plot_partition
 
     cfg = load_config(args.config, args.overrides)
     splits = load_dataset(cfg["dataset"], args.data_root or cfg["data_root"], cfg["data"])
+    splits = hold_out(splits, cfg["validation"], cfg["seed"])  # the clients divide what a run divides
     part = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                           num_classes=splits.num_classes)
     out = out_folder(args.out or Path("runs") / cfg["name"])
