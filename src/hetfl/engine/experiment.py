@@ -4,6 +4,7 @@ clients (:func:`prepare`), on the device it names (:func:`resolve_device`)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,26 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+class ClientViews(Sequence[ImageDataset]):
+    """Each client's share of the training split, made when a client is first asked for (a client never
+    sampled costs nothing but its index array) and kept."""
+
+    def __init__(self, train: ImageDataset, indices: Sequence[np.ndarray]) -> None:
+        self.train, self.indices = train, indices
+        self._views: dict[int, ImageDataset] = {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, cid: int) -> ImageDataset:  # type: ignore[override]
+        if not -len(self) <= cid < len(self):
+            raise IndexError(f"client {cid} of {len(self)}")
+        cid %= len(self)
+        if cid not in self._views:
+            self._views[cid] = self.train.subset(torch.from_numpy(self.indices[cid]))
+        return self._views[cid]
+
+
 @dataclass
 class Experiment:
     """A validated config with its data loaded and partitioned."""
@@ -59,12 +80,12 @@ class Experiment:
     archs: list[str]
     device: torch.device
     data_root: str = ""  # where the dataset was read (clients read auxiliary sets there too)
-    client_data: list[ImageDataset] = field(init=False)
+    client_data: ClientViews = field(init=False)
     _model_sources: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         indices = self.partition.indices if self.partition is not None else []
-        self.client_data = [self.splits.train.subset(torch.from_numpy(idx)) for idx in indices]
+        self.client_data = ClientViews(self.splits.train, indices)
 
     def fingerprint(self, client_id: int) -> dict[str, Any]:
         idx = self.partition.indices[client_id]
