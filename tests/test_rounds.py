@@ -407,3 +407,32 @@ def test_every_model_is_logged_and_the_headline_is_reported(tmp_path, tiny_confi
     assert all(set(r["models_val"]) == {"first", "second"} for r in rows)
     assert res["accuracy"] == rows[-1]["models"]["second"] == res["models"]["second"]
     assert set(res["models_best"]) == {"first", "second"}
+
+
+def test_moon_with_its_client_states_on_disk_equals_moon_in_memory_and_resumes(tmp_path, tiny_config, monkeypatch):
+    """state_memory_mb 0: every client's previous model waits on disk between its rounds; the run, and a run
+    stopped in round 3 and resumed, end bit for bit where the in-memory run ends."""
+    from hetfl.methods.moon import Moon
+
+    cfg = round_config(tiny_config, moon={**ROUNDS, "rounds": 4})
+    memory = run(copy.deepcopy(cfg), tmp_path / "memory")["results"]["moon"]
+    disk = assert_interrupted_run_resumes({**cfg, "simulator": {"state_memory_mb": 0}}, "moon", Moon, 3,
+                                          tmp_path / "disk", monkeypatch)
+    assert disk["accuracy"] == memory["accuracy"] and disk["tensor_bytes"] == memory["tensor_bytes"]
+    assert same_weights(weights(tmp_path / "memory", "moon"), weights(tmp_path / "disk" / "full", "moon"))
+    assert not (tmp_path / "disk" / "full" / "moon" / "client_state").exists()  # gone with the checkpoint
+
+
+def test_client_states_spill_the_least_recently_used_and_read_them_back(tmp_path):
+    from hetfl.fl.clientstate import ClientStates
+
+    states = ClientStates(tmp_path, memory_limit=2 * 400)  # room for two states of 100 float32
+    for cid in range(4):
+        states[cid] = {"prev": torch.full((100,), float(cid)), "seen": cid}
+    states[0]["seen"] = 10  # client 0 used again: clients 1 and 2 are the oldest
+    assert states.spill(round_=5) == [1, 2] and set(states.in_memory()) == {3, 0}
+    assert states.files() == {"1": "state-1-r5.safetensors", "2": "state-2-r5.safetensors"}
+    assert states[1]["seen"] == 1 and torch.equal(states[1]["prev"], torch.full((100,), 1.0))
+    assert list(states) == [0, 1, 2, 3] and len(states) == 4
+    states.committed()  # a checkpoint no longer names client 1's file
+    assert not (tmp_path / "state-1-r5.safetensors").exists() and (tmp_path / "state-2-r5.safetensors").exists()

@@ -49,7 +49,9 @@ FLOWER_KEYS = {"timeout": 600.0, "node_wait": 120.0, "node_data": False}
 # whole run: a client whose loss has reached 0 (one class, or a few) otherwise spends most of its
 # time on subnormal gradients (several times slower); results
 # change in the last bits, so its uploads are cached apart too.
-SIMULATOR_KEYS = {"batch_clients": False, "flush_denormal": False}
+# ``state_memory_mb``: clients' state (MOON's, FedCOG's previous local model) kept in memory; beyond it the
+# states of the clients used least recently wait on disk (hetfl.fl.clientstate).
+SIMULATOR_KEYS = {"batch_clients": False, "flush_denormal": False, "state_memory_mb": 2048.0}
 _ANY = {"type": "any"}
 TOP_RANGES = {"clients": {"type": "int", "ge": 1}, "min_clients": {"ge": 1}, "validation": {"ge": 0, "lt": 0.5},
               **{k: _ANY for k in ("dataset", "data", "partition", "client", "server", "methods", "flower",
@@ -181,7 +183,8 @@ def validate(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"methods.{label}: parameters must be a mapping, got {params!r}")
         cfg["methods"][label] = dict(params or {})
     cfg["flower"] = _checked("flower", FLOWER_KEYS, dict(cfg["flower"] or {}), FLOWER_RANGES, "flower")
-    cfg["simulator"] = _checked("simulator", SIMULATOR_KEYS, dict(cfg["simulator"] or {}), {}, "simulator")
+    cfg["simulator"] = _checked("simulator", SIMULATOR_KEYS, dict(cfg["simulator"] or {}),
+                                {"state_memory_mb": {"ge": 0}}, "simulator")
     if cfg["flower"]["node_data"] and cfg["validation"]:
         raise ConfigError("validation: the SuperNodes serve their own data (flower.node_data), so no validation "
                           "share can be held out of it; set validation: 0")

@@ -36,6 +36,7 @@ from hetfl.engine.experiment import Experiment, prepare  # noqa: F401  (prepare:
 from hetfl.engine.uploads import ClientExchange, Transport
 from hetfl.fl.cache import uploads_digest
 from hetfl.fl.clientbook import SPILL_DIR
+from hetfl.fl.clientstate import STATE_DIR, ClientStates
 from hetfl.fl.comm import CommLedger
 from hetfl.fl.method import (
     Method,
@@ -222,6 +223,8 @@ class Simulator:
                 if len(models) > 1:
                     row.update(headline=head, models=accs, **({"models_val": vals} if vals else {}))
                 ctx.log(round_, **row, **{k: v for k, v in ledger.summary().items() if k != "tensor_bytes"})
+            if isinstance(states, ClientStates):  # states past the limit go to disk: few clients take part
+                states.spill(round_)
             self._save_rounds(ctx.out_dir / ROUND_CHECKPOINT, name, round_, round_method, ctx, ledger, history,
                               states, time.perf_counter() - clock["start"])
 
@@ -256,7 +259,8 @@ class Simulator:
         evaluations, the ledger, the method's record (client failures, clusters, ...) and the seconds so far."""
         tensors = {f"method.{k}": v.detach().cpu().contiguous() for k, v in method.state_dict().items()}
         client_json: dict[str, dict[str, Any]] = {}
-        for cid, state in states.items():
+        spilled = isinstance(states, ClientStates)
+        for cid, state in (states.in_memory() if spilled else states).items():  # the spilled ones: by file
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"client.{cid}.{key}"] = value.detach().cpu().contiguous()
@@ -267,8 +271,10 @@ class Simulator:
                 "models_history": self._models_history.get(name, {}), "ledger": ledger.records,
                 "record": {k: v for k, v in ctx.record.items() if not k.startswith("_") and k not in NOT_RESUMED},
                 "seconds": seconds,
-                "client_state": client_json}
+                "client_state": client_json, **({"client_state_files": states.files()} if spilled else {})}
         Payload(tensors, json_safe(meta)).write(path)
+        if spilled:
+            states.committed()
 
     def _resume_rounds(self, path: Path, name: str, method: RoundMethod, ctx: ServerContext, ledger: CommLedger,
                        states: dict[int, dict]) -> int:
@@ -286,12 +292,21 @@ class Simulator:
         except (OSError, PayloadError, KeyError, RuntimeError, ValueError) as err:
             warnings.warn(f"{path}: not resumed ({err}); the rounds start over", stacklevel=2)
             return 0
+        memory: dict[int, dict[str, Any]] = {}
         for key, value in saved.tensors.items():
             if key.startswith("client."):
                 _, cid, state_key = key.split(".", 2)
-                states.setdefault(int(cid), {})[state_key] = value
+                memory.setdefault(int(cid), {})[state_key] = value
         for cid, values in meta.get("client_state", {}).items():
-            states.setdefault(int(cid), {}).update(values)
+            memory.setdefault(int(cid), {}).update(values)
+        if isinstance(states, ClientStates):
+            try:
+                states.restore(memory, meta.get("client_state_files", {}))
+            except PayloadError as err:
+                warnings.warn(f"{path}: not resumed ({err}); the rounds start over", stacklevel=2)
+                return 0
+        else:
+            states.update(memory)
         ctx.restore_history(meta["history"])
         val = meta.get("val_history") or []
         if len(val) == len(meta["history"]):
@@ -377,9 +392,10 @@ class Simulator:
 
     def run_method(self, name: str) -> dict[str, Any]:
         method: Method = create_method(name, self.exp.cfg["methods"][name])
-        ledger, history, states = CommLedger(), [], {}
+        ledger, history = CommLedger(), []
         self._val_history[name] = []
         ctx = self._context(name, ledger, history)
+        states = ClientStates(ctx.out_dir / STATE_DIR, int(self.exp.cfg["simulator"]["state_memory_mb"] * 2**20))
         self._bind(name, method, ctx, ledger, history, states)
         if not isinstance(method, RoundMethod) and not any(ctx.out_dir.glob("checkpoint*")):
             self._trim_metrics(name, -1)  # a checkpointing stage trims on resume itself
@@ -448,6 +464,7 @@ class Simulator:
                 for path in (self.out_dir / name).glob("checkpoint*"):
                     path.unlink(missing_ok=True)
                 shutil.rmtree(self.out_dir / name / SPILL_DIR, ignore_errors=True)  # the ClientBook's models
+                shutil.rmtree(self.out_dir / name / STATE_DIR, ignore_errors=True)  # spilled client states
         with open(self.out_dir / "metrics.jsonl", "w") as out:
             for name in exp.cfg["methods"]:
                 if self._metrics_file(name).is_file():
