@@ -159,7 +159,7 @@ def merge_cell(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any
         return new
     again = [old["results"][m] for m in new["results"] if m in old["results"]]
     minutes = old["minutes"] + new["minutes"] - sum(r.get("seconds", 0.0) for r in again) / 60
-    machines = old["machine"] if old["machine"] == new["machine"] else f"{old['machine']} and {new['machine']}"
+    machines = " and ".join(dict.fromkeys([*old["machine"].split(" and "), *new["machine"].split(" and ")]))
     return {"results": {**old["results"], **new["results"]}, "minutes": round(max(minutes, new["minutes"]), 1),
             "machine": machines}
 
