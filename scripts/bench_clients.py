@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ def one(clients: int, method: str, dataset: str, per_client: int, rounds: int) -
     torch.set_num_threads(1)
     from hetfl.data import load_dataset
     from hetfl.engine.simulator import Simulator, prepare
+    from hetfl.host import peak_gib
     from hetfl.methods.checks import validate
 
     data = {"classes": 10, "channels": 1, "size": 28, "train_per_class": clients * per_client // 10,
@@ -44,7 +44,7 @@ def one(clients: int, method: str, dataset: str, per_client: int, rounds: int) -
     result = sim.run()["results"][method]
     return {"clients": clients, "method": method, "setup_s": round(setup, 2),
             "round_s": round(result["seconds"] / rounds, 2),
-            "peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+            "peak_gb": round(peak_gib(), 2)}
 
 
 def main() -> None:

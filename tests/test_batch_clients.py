@@ -120,7 +120,7 @@ def test_simulator_batches_equal_clients_and_caches_them_apart(tmp_path, tiny_co
     batched = Simulator(prepare(validate(cfg)), tmp_path / "b", cache, quiet=True).run()
     assert batched["engine"] == {"name": "simulator", "batch_clients": True}
     assert plain["engine"] == {"name": "simulator"}
-    assert batched["config"]["simulator"] == {"batch_clients": True, "flush_denormal": False}
+    assert batched["config"]["simulator"] == {"batch_clients": True, "flush_denormal": False, "state_memory_mb": 2048.0}
     assert batched["results"]["fedavg"]["cached_uploads"] == 0  # keyed apart from one-at-a-time uploads
     assert len(list(cache.rglob("*.safetensors"))) == 6
     infos = [json.loads(p.read_text()) for p in cache.rglob("*.json")]
@@ -135,7 +135,7 @@ def test_simulator_batches_equal_clients_and_caches_them_apart(tmp_path, tiny_co
 
 def test_simulator_config_key(tiny_config):
     cfg = validate(copy.deepcopy(tiny_config))
-    assert cfg["simulator"] == {"batch_clients": False, "flush_denormal": False}
+    assert cfg["simulator"] == {"batch_clients": False, "flush_denormal": False, "state_memory_mb": 2048.0}
     # the defaults leave the resume hashes of earlier runs as they were
     earlier = {k: v for k, v in cfg.items() if k != "simulator"}
     assert config_hash(cfg, "fedavg") == config_hash(earlier, "fedavg")

@@ -565,8 +565,9 @@ def test_client_states_travel_with_the_round_checkpoint(tmp_path, tiny_config):
 
 
 SCALE = """
-import json, resource, sys, time
+import json, sys, time
 import torch
+from hetfl.host import peak_gib
 torch.set_num_threads(1)
 from hetfl.data import load_dataset
 from hetfl.engine.simulator import Simulator, prepare
@@ -583,7 +584,7 @@ setup = time.perf_counter() - start
 summary = sim.run()
 write_plots(sim.out_dir, summary)
 print(json.dumps({"setup": setup, "total": time.perf_counter() - start,
-                  "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "peak_gib": peak_gib()}))
 """
 
 

@@ -242,6 +242,7 @@ def test_a_plugin_registers_a_dataset_a_model_and_a_method(tmp_path, capsys, plu
 
 
 def test_two_python_runs_in_one_process_equal_their_cli_runs(tmp_path, tiny_config):
+    tiny_config["client"]["epochs"] = 1
     other = copy.deepcopy(tiny_config)
     other["seed"], other["simulator"] = 3, {"flush_denormal": True}
     from hetfl.host import flush_denormal_setting

@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from pathlib import Path
 from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
@@ -94,3 +95,17 @@ def denormals_flushed(on: bool) -> Iterator[None]:
 
             torch.set_flush_denormal(False)
             _state["flush_denormal"] = before
+
+
+def peak_gib() -> float:
+    """This process's peak resident memory in GiB: VmHWM of its own address space (``ru_maxrss`` would
+    also count the parent it was forked from, which Linux carries over an exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
