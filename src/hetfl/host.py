@@ -28,8 +28,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _state: dict[str, str] = {"malloc": "default", "flush_denormal": "off"}
