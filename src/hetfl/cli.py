@@ -61,9 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     select_methods(cfg, args.methods)  # a bad --methods is named as such before anything loads
     if cfg["simulator"]["flush_denormal"]:
         flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
-    result = run(args.config, methods=args.methods, out=out_folder(args.out or Path("runs") / cfg["name"]),
-                 data_root=args.data_root, overrides=args.overrides, device=args.device,
-                 cache_dir=None if args.no_cache else args.cache_dir, resume=not args.fresh,
+    result = run(cfg, out=out_folder(args.out or Path("runs") / cfg["name"]), data_root=args.data_root,
+                 device=args.device, cache_dir=None if args.no_cache else args.cache_dir, resume=not args.fresh,
                  keep_checkpoints=args.keep_checkpoints, quiet=args.quiet, announce=True)
     print(result.table())
     plots = sorted(p.name for p in result.folder.glob("*.png"))
