@@ -273,6 +273,10 @@ def test_an_unreachable_min_size_stops_early_and_says_what_would_work(kind, clie
             make_partition(labels, clients, {"kind": kind, "alpha": 0.5, "min_size": min_size}, seed=0)
         except PartitionError as err:
             assert (f"min_size: {works} works with this seed" in str(err)) if works else "no draw gave" in str(err)
+            found = re.search(r"; alpha ([0-9.]+) reached min_size", str(err))
+            if kind == "dirichlet":  # a larger alpha that works is named, and works
+                spec = {"kind": kind, "alpha": float(found.group(1)), "min_size": min_size}
+                assert make_partition(labels, clients, spec, seed=0).sizes.min() >= min_size
             raise
     assert time.perf_counter() - start < 10
     if works:  # the min_size it names does work

@@ -52,6 +52,7 @@ MAX_RESAMPLES = 10_000
 # success was then out of reach of the remaining draws too, and the message says what would work.
 EARLY_DRAWS = 100
 HOPELESS_SHORT = 3
+TRIAL_DRAWS = 5  # draws per larger alpha when the message looks for one that works
 
 
 class PartitionError(ValueError):
@@ -134,13 +135,46 @@ def _owners(pieces: list[tuple[np.ndarray, np.ndarray]], m: int) -> list[np.ndar
     return np.split(idx[order], np.cumsum(np.bincount(owner, minlength=m))[:-1])
 
 
-def _unreachable(kind: str, m: int, min_size: int, draws: int, short: int, best: int) -> PartitionError:
+def _unreachable(kind: str, m: int, min_size: int, draws: int, short: int, best: int,
+                 alpha_works: float | None) -> PartitionError:
     hint = (f"min_size: {best} works with this seed (a draw reached it)" if best > 0
             else "no draw gave every client a sample")
+    alpha = (f"alpha {alpha_works:g} reached min_size {min_size} in a trial draw" if alpha_works is not None
+             else "no alpha up to 64x this one reached it in trial draws")
     return PartitionError(
         f"{kind} cannot give every one of {m} clients >= {min_size} samples: in {draws} draws at least {short} "
-        f"clients fell short every time and the best draw's smallest client had {best}; {hint}, or raise alpha "
-        "or use fewer clients")
+        f"clients fell short every time and the best draw's smallest client had {best}; {hint}; {alpha}; or use "
+        "fewer clients")
+
+
+def _alpha_that_works(alpha: float, min_size: int, sizes_of: Any) -> float | None:
+    """The smallest of 2, 4, ... 64 x ``alpha`` at which one of TRIAL_DRAWS draws of ``sizes_of(alpha, rng)``
+    gives every client ``min_size`` (a fixed trial seed: the message is the same every time)."""
+    rng = np.random.default_rng(0x5EED)
+    for factor in (2, 4, 8, 16, 32, 64):
+        if any(sizes_of(alpha * factor, rng).min() >= min_size for _ in range(TRIAL_DRAWS)):
+            return alpha * factor
+    return None
+
+
+def _dirichlet_draw(by_class: list[np.ndarray], m: int, n: int, alpha: float, balance: bool,
+                    rng: np.random.Generator) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    """One draw: every client's size and, per class, its permuted indices and cut points."""
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    sizes = np.zeros(m, dtype=np.int64)
+    for idx_k in by_class:
+        if len(idx_k) == 0:
+            continue
+        idx_k = rng.permutation(idx_k)
+        p = rng.dirichlet(np.full(m, alpha))
+        if balance:
+            p = p * (sizes < n / m)
+        if p.sum() <= 0:  # every client is above average: fall back to the raw draw
+            p = rng.dirichlet(np.full(m, alpha))
+        cuts = (np.cumsum(p / p.sum()) * len(idx_k)).astype(np.int64)[:-1]
+        sizes += np.diff(cuts, prepend=0, append=len(idx_k))
+        pieces.append((idx_k, cuts))
+    return sizes, pieces
 
 
 def _dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
@@ -151,26 +185,14 @@ def _dirichlet(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Ge
     by_class = [np.flatnonzero(labels == k) for k in range(c)]
     best, short = -1, m  # over the draws: the largest smallest client, the fewest clients short
     for draw in range(1, MAX_RESAMPLES + 1):
-        pieces: list[tuple[np.ndarray, np.ndarray]] = []  # per class: permuted indices, cut points
-        sizes = np.zeros(m, dtype=np.int64)
-        for idx_k in by_class:
-            if len(idx_k) == 0:
-                continue
-            idx_k = rng.permutation(idx_k)
-            p = rng.dirichlet(np.full(m, alpha))
-            if balance:
-                p = p * (sizes < n / m)
-            if p.sum() <= 0:  # every client is above average: fall back to the raw draw
-                p = rng.dirichlet(np.full(m, alpha))
-            cuts = (np.cumsum(p / p.sum()) * len(idx_k)).astype(np.int64)[:-1]
-            sizes += np.diff(cuts, prepend=0, append=len(idx_k))
-            pieces.append((idx_k, cuts))
+        sizes, pieces = _dirichlet_draw(by_class, m, n, alpha, balance, rng)
         if sizes.min() >= min_size:
             return _owners(pieces, m)
         best, short = max(best, int(sizes.min())), min(short, int((sizes < min_size).sum()))
         if draw >= EARLY_DRAWS and short >= HOPELESS_SHORT:
             break
-    raise _unreachable(f"dirichlet(alpha={alpha})", m, min_size, draw, short, best)
+    works = _alpha_that_works(alpha, min_size, lambda a, g: _dirichlet_draw(by_class, m, n, a, balance, g)[0])
+    raise _unreachable(f"dirichlet(alpha={alpha})", m, min_size, draw, short, best, works)
 
 
 def _classes(labels: np.ndarray, m: int, c: int, spec: dict, rng: np.random.Generator) -> list:
@@ -213,7 +235,9 @@ def _quantity(labels: np.ndarray, m: int, spec: dict, rng: np.random.Generator) 
         best, short = max(best, int(sizes.min())), min(short, int((sizes < min_size).sum()))
         if draw >= EARLY_DRAWS and short >= HOPELESS_SHORT:
             break
-    raise _unreachable(f"quantity(alpha={alpha})", m, min_size, draw, short, best)
+    works = _alpha_that_works(alpha, min_size, lambda a, g: np.diff(np.concatenate(
+        [[0], (np.cumsum(g.dirichlet(np.full(m, a))) * n).astype(np.int64)[:-1], [n]])))
+    raise _unreachable(f"quantity(alpha={alpha})", m, min_size, draw, short, best, works)
 
 
 FEDDF_GROUP = 10  # FedDF's ``n_auxi_workers``: Dirichlet workers per chunk of the shuffled data
