@@ -114,12 +114,19 @@ def load(config: str | Path | dict[str, Any], overrides: list[str] | None = None
         cfg = validate(apply_overrides(copy.deepcopy(config), overrides or []))
     else:
         cfg = load_config(config, overrides)
-    if methods:
-        chosen = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else list(methods)
-        if missing := [m for m in chosen if m not in cfg["methods"]]:
-            raise ConfigError(f"methods {missing} not in the config's methods {list(cfg['methods'])}")
-        cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
+    select_methods(cfg, methods)
     return cfg
+
+
+def select_methods(cfg: dict[str, Any], methods: list[str] | str | None, where: str = "methods") -> None:
+    """Keep only these labels of the config, in this order (``"a,b"`` or a list); ``where`` names the
+    option in the error."""
+    if not methods:
+        return
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if isinstance(methods, str) else list(methods)
+    if missing := [m for m in chosen if m not in cfg["methods"]]:
+        raise ConfigError(f"{where} {missing} not in the config's methods {list(cfg['methods'])}")
+    cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
 
 
 def run(config: str | Path | dict[str, Any], *, methods: list[str] | str | None = None,

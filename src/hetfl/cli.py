@@ -31,13 +31,9 @@ def out_folder(path: str | Path) -> Path:
 
 def select_methods(cfg: dict, text: str | None) -> None:
     """``--methods a,b``: keep only these labels of the config, in this order."""
-    if not text:
-        return
-    chosen = [m.strip() for m in text.split(",") if m.strip()]
-    missing = [m for m in chosen if m not in cfg["methods"]]
-    if missing:
-        raise ConfigError(f"--methods {missing} not in the config's methods {list(cfg['methods'])}")
-    cfg["methods"] = {m: cfg["methods"][m] for m in chosen}
+    from hetfl.api import select_methods as select
+
+    select(cfg, text, where="--methods")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
