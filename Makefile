@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,flower]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,flower,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -364,3 +364,8 @@ def test_a_result_run_with_another_optimiser_is_marked_on_the_page(tmp_path):
     assert "Client optimiser (resolved from the config): SGD lr 0.1, momentum 0, weight decay 0." in text
     assert "| FedAvg | 1.00 (n=1) † |" in text and "| ensemble | 2.00 (n=1) |" in text
     assert f"FedAvg in {name} (SGD lr 0.1, momentum 0.9, weight decay 0)" in text
+
+
+def test_a_budgets_method_overrides_add_no_method_the_cell_left_out():
+    cell = cell_config(load_paper("kdia"), "synthetic", "0.5", 0, "smoke", ["fedavg"])  # smoke overrides fedcog
+    assert list(cell["methods"]) == ["fedavg"]

@@ -113,6 +113,28 @@ def cmd_flower_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flower_sim(args: argparse.Namespace) -> int:
+    """The same apps through Flower's simulation runtime: a round's clients train in parallel on Ray."""
+    from hetfl.engine.flower_sim import require_ray
+
+    require_ray("hetfl flower sim")  # before the config loads a dataset
+    from hetfl.engine.flower_sim import run_sim
+    from hetfl.report import results_table, write_plots
+
+    cfg = load_config(args.config, args.overrides)
+    select_methods(cfg, args.methods)
+    if args.device:
+        check_device(args.device)
+        cfg["device"] = args.device
+    out = out_folder(args.out or Path("runs") / f"{cfg['name']}-flower-sim")
+    summary = run_sim(cfg, out, data_root=args.data_root, workers=args.workers, address=args.ray,
+                      client_cpus=args.client_cpus, client_gpus=args.client_gpus)
+    plots = write_plots(out, summary)
+    print(results_table(summary["results"]))
+    print(f"wrote {out / 'summary.json'} and {', '.join(p.name for p in plots)}")
+    return 0
+
+
 def cmd_flower_app(args: argparse.Namespace) -> int:
     from hetfl.engine.flower_local import write_app
 
@@ -274,6 +296,18 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--verbose", action="store_true",
                        help="show every Flower log line (default: hetfl's progress; all lines go to flower.log)")
     local.set_defaults(func=cmd_flower_local)
+    fsim = flower_sub.add_parser("sim", help="the same apps on Flower's simulation runtime: one virtual SuperNode "
+                                             "per client, a round's clients in parallel on Ray (needs hetfl[ray])")
+    _add_config_args(fsim)
+    fsim.add_argument("--methods", default=None, help="run only these methods of the config (comma-separated)")
+    fsim.add_argument("--workers", type=int, default=2,
+                      help="ClientApp workers of a local Ray instance (default: 2; ignored with --ray)")
+    fsim.add_argument("--ray", default=None, metavar="ADDRESS",
+                      help="join this Ray cluster (auto, or HOST:PORT) instead of starting a local instance")
+    fsim.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp worker (default: 1)")
+    fsim.add_argument("--client-gpus", type=float, default=0.0, help="GPUs per ClientApp worker (default: 0)")
+    fsim.add_argument("--device", default=None, help="cpu, cuda, ... (default: the config's)")
+    fsim.set_defaults(func=cmd_flower_sim)
     app = flower_sub.add_parser("app", help="write the Flower app folder and run config for `flwr run`")
     _add_config_args(app)
     app.add_argument("--app", default="flower-app", help="folder to write (default: flower-app)")

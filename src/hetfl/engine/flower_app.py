@@ -114,12 +114,19 @@ def experiment_config(run_config: dict[str, Any]) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=2)
-def _client_data(cfg_json: str, data_root: str, partition_id: int) -> ImageDataset:
+def _partitioned(cfg_json: str, data_root: str) -> tuple[ImageDataset, list]:
+    """The training split and its seeded partition, once per process (a simulation's worker serves many
+    virtual nodes of one run one after the other)."""
     cfg = json.loads(cfg_json)
     splits = hold_out(load_dataset(cfg["dataset"], data_root, cfg["data"]), cfg.get("validation", 0.0), cfg["seed"])
     partition = make_partition(splits.train.y.numpy(), cfg["clients"], cfg["partition"], cfg["seed"],
                                num_classes=splits.num_classes)
-    return splits.train.subset(torch.from_numpy(partition.indices[partition_id]))
+    return splits.train, partition.indices
+
+
+def _client_data(cfg_json: str, data_root: str, partition_id: int) -> ImageDataset:
+    train, indices = _partitioned(cfg_json, data_root)
+    return train.subset(torch.from_numpy(indices[partition_id]))
 
 
 def node_partition(context: Context, cfg: dict[str, Any]) -> int:
@@ -342,3 +349,33 @@ def server_main(grid: Grid, context: Context) -> None:
     for name, result in summary["results"].items():
         log.info("hetfl: %s accuracy %.2f (best %.2f)", name, result["accuracy"], result["best_accuracy"])
     log.info("hetfl: summary written to %s", out / "summary.json")
+
+
+# ---- Flower's simulation runtime -----------------------------------------------------------------
+def simulation_apps(run_config: dict[str, str], threads: int = 1) -> tuple[ServerApp, ClientApp]:
+    """The ServerApp and ClientApp above for ``flwr.simulation.run_simulation``, which gives its apps an
+    empty run config: these carry ``run_config`` (the keys of a ``flwr run`` run config) with them to the
+    Ray workers and hand it over before each call. Each ClientApp call trains on ``threads`` torch threads."""
+    sim_client, sim_server = ClientApp(), ServerApp()
+
+    def _with_config(context: Context) -> Context:
+        """The same node and state (the runtime keeps the state's changes) with the run config filled in
+        (the runtime refuses changes to a context's own run config)."""
+        return Context(run_id=context.run_id, node_id=context.node_id, node_config=context.node_config,
+                       state=context.state, run_config={**context.run_config, **run_config})
+
+    @sim_client.query("hetfl_info")
+    def sim_info(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(threads)
+        return node_info(msg, _with_config(context))
+
+    @sim_client.train("hetfl")
+    def sim_train(msg: Message, context: Context) -> Message:
+        torch.set_num_threads(threads)
+        return client_task(msg, _with_config(context))
+
+    @sim_server.main()
+    def sim_main(grid: Grid, context: Context) -> None:
+        server_main(grid, _with_config(context))
+
+    return sim_server, sim_client

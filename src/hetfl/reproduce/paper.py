@@ -125,7 +125,10 @@ def cell_config(paper: Paper, dataset: str, setting: str, seed: int, budget: str
     over = copy.deepcopy((paper.spec.get("setting_override") or {}).get(setting) or {})
     over["methods"] = {m: v for m, v in (over.get("methods") or {}).items() if m in chosen}
     cfg = _merge(cfg, over)
-    cfg = _merge(cfg, values.get("config_override") or {})
+    budget_over = copy.deepcopy(values.get("config_override") or {})
+    if "methods" in budget_over:  # like the setting's: only the methods chosen for the cell
+        budget_over["methods"] = {m: v for m, v in (budget_over["methods"] or {}).items() if m in chosen}
+    cfg = _merge(cfg, budget_over)
     return {"name": cell_name(paper, dataset, setting, seed, budget), "seed": seed, "dataset": dataset, **cfg}
 
 

@@ -174,6 +174,12 @@ def main(args: argparse.Namespace) -> int:
     budget = "ablation" if getattr(args, "ablation", False) else (args.budget or paper.default_budget)
     if budget not in paper.budgets:
         raise ConfigError(f"--budget: unknown {budget!r}; choose from: {', '.join(paper.budgets)}")
+    if args.ray is not None:
+        from hetfl.reproduce.ray_grid import require_ray
+
+        require_ray()
+        if args.jobs != 1:
+            raise ConfigError("--jobs and --ray: choose one (with --ray, Ray places one cell per --cell-cpus CPUs)")
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
     root = Path(args.out or f"runs/reproduce-{paper.name}")
@@ -195,8 +201,16 @@ def main(args: argparse.Namespace) -> int:
                 if dropped := drop_results(root / cell["name"], [m for m in again if m in cell["methods"]]):
                     print(f"{cell['name']}: running {', '.join(dropped)} again")
         cache = None if args.no_cache else Path(args.cache_dir)
-        failed = run_grid(cells, root, cache, args.data_root, args.device, args.jobs, args.quiet,
-                          after=lambda: write_results(paper, root, results, archive))
+        rewrite = lambda: write_results(paper, root, results, archive)  # noqa: E731
+        if args.ray is not None:
+            from hetfl.reproduce.ray_grid import run_grid_on_ray
+
+            todo = [c for c in cells if finished(root / c["name"], list(c["methods"])) is None]
+            print(f"{len(cells) - len(todo)} of {len(cells)} cells finished; {len(todo)} to run", flush=True)
+            failed = run_grid_on_ray(todo, root, cache, args.data_root, args.device, args.ray, args.cell_cpus,
+                                     args.keep_models, after=rewrite)
+        else:
+            failed = run_grid(cells, root, cache, args.data_root, args.device, args.jobs, args.quiet, after=rewrite)
         if failed:
             print(f"failed cells (run the command again to retry): {', '.join(failed)}")
     if args.save:
@@ -222,6 +236,12 @@ def add_arguments(rep: argparse.ArgumentParser) -> None:
                      help="comma-separated labels: run these methods of the chosen cells again even where "
                           "finished (their old results and minutes are dropped)")
     rep.add_argument("--jobs", type=int, default=1, help="cells run at once (each gets cpus/jobs threads)")
+    rep.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                     help="run each cell as a Ray task on the cluster at ADDRESS (default auto: the running "
+                          "cluster, else a local instance); needs hetfl[ray]")
+    rep.add_argument("--cell-cpus", type=int, default=1, help="with --ray: CPUs (torch threads) per cell (default 1)")
+    rep.add_argument("--keep-models", action="store_true",
+                     help="with --ray: bring the cells' models back from nodes that do not share --out")
     rep.add_argument("--report-only", action="store_true", help="only rewrite the results page")
     rep.add_argument("--save", action="store_true",
                      help="add the finished cells to the archived results beside the results page")
