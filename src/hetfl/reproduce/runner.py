@@ -174,7 +174,8 @@ def main(args: argparse.Namespace) -> int:
     budget = "ablation" if getattr(args, "ablation", False) else (args.budget or paper.default_budget)
     if budget not in paper.budgets:
         raise ConfigError(f"--budget: unknown {budget!r}; choose from: {', '.join(paper.budgets)}")
-    if args.ray is not None:
+    ray_address = getattr(args, "ray", None)
+    if ray_address is not None:
         from hetfl.reproduce.ray_grid import require_ray
 
         require_ray()
@@ -202,12 +203,12 @@ def main(args: argparse.Namespace) -> int:
                     print(f"{cell['name']}: running {', '.join(dropped)} again")
         cache = None if args.no_cache else Path(args.cache_dir)
         rewrite = lambda: write_results(paper, root, results, archive)  # noqa: E731
-        if args.ray is not None:
+        if ray_address is not None:
             from hetfl.reproduce.ray_grid import run_grid_on_ray
 
             todo = [c for c in cells if finished(root / c["name"], list(c["methods"])) is None]
             print(f"{len(cells) - len(todo)} of {len(cells)} cells finished; {len(todo)} to run", flush=True)
-            failed = run_grid_on_ray(todo, root, cache, args.data_root, args.device, args.ray, args.cell_cpus,
+            failed = run_grid_on_ray(todo, root, cache, args.data_root, args.device, ray_address, args.cell_cpus,
                                      args.keep_models, after=rewrite)
         else:
             failed = run_grid(cells, root, cache, args.data_root, args.device, args.jobs, args.quiet, after=rewrite)
