@@ -178,3 +178,25 @@ def test_flower_sim_on_ray_workers_equals_hetfl_run(tmp_path: Path) -> None:
         mine, theirs = (load_file(root / name / f"{name}.safetensors") for root in (tmp_path / "sim", tmp_path / "run"))
         assert mine.keys() == theirs.keys() and all((mine[k] - theirs[k]).abs().max() <= 1e-6 for k in mine), name
     assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_hetfl_run_of_several_configs_on_ray_equals_them_one_after_another(tmp_path: Path, tiny_config, capsys) -> None:
+    import yaml
+
+    paths = []
+    for name, alpha in (("a", 0.5), ("b", 1.0)):
+        cfg = {**copy.deepcopy(tiny_config), "name": name, "partition": {"kind": "dirichlet", "alpha": alpha,
+                                                                         "min_size": 5}}
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(cfg))
+    args = [str(p) for p in paths] + ["--no-cache", "--quiet", "--methods", "fedavg"]
+    assert main(["run", *args, "--out", str(tmp_path / "seq")]) == 0
+    assert main(["run", *args, "--out", str(tmp_path / "ray"), "--ray"]) == 0
+    for name in ("a", "b"):
+        seq, ours = (json.loads((tmp_path / kind / name / "summary.json").read_text()) for kind in ("seq", "ray"))
+        assert ours["results"]["fedavg"]["accuracy"] == seq["results"]["fedavg"]["accuracy"]
+        assert ours["ray"]["node_id"] and list(ours["results"]) == ["fedavg"]
+    assert "a (" in capsys.readouterr().out
+    assert main(["run", str(paths[0]), str(paths[0]), "--out", str(tmp_path / "dup")]) == 2
+    assert "configs share a name (a)" in capsys.readouterr().err

@@ -36,8 +36,12 @@ def select_methods(cfg: dict, text: str | None) -> None:
     select(cfg, text, where="--methods")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="experiment YAML file")
+def _add_config_args(p: argparse.ArgumentParser, many: bool = False) -> None:
+    if many:
+        p.add_argument("config", nargs="+", help="experiment YAML file(s); several run one after another, or at "
+                                                  "once with --ray, each into OUT/<its name>")
+    else:
+        p.add_argument("config", help="experiment YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set client.epochs=2 (repeatable)")
     p.add_argument("--data-root", default=None, help="dataset folder (default: the config's data_root)")
@@ -53,7 +57,9 @@ def _add_plugin_arg(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from hetfl.api import load, run
 
-    cfg = load(args.config, args.overrides)
+    if len(args.config) > 1 or args.ray is not None:
+        return run_several(args)
+    cfg = load(args.config[0], args.overrides)
     select_methods(cfg, args.methods)  # a bad --methods is named as such before anything loads
     if cfg["simulator"]["flush_denormal"]:
         flush_denormals()  # before any torch work, so that torch's worker threads have it too (hetfl.host)
@@ -63,6 +69,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(result.table())
     plots = sorted(p.name for p in result.folder.glob("*.png"))
     print(f"wrote {result.folder / 'summary.json'}, metrics.jsonl, partition.json and {', '.join(plots)}")
+    return 0
+
+
+def run_several(args: argparse.Namespace) -> int:
+    """``hetfl run A.yaml B.yaml ... [--ray [ADDRESS]]``: each config a run folder ``OUT/<name>``, one after
+    another, or each as a Ray task (the grid runner of ``hetfl reproduce --ray``)."""
+    from hetfl.api import load, run
+    from hetfl.report import results_table
+
+    if args.ray is not None:
+        from hetfl.reproduce.ray_grid import require_ray
+
+        require_ray()
+    configs = [load(path, args.overrides) for path in args.config]  # every config checked before any run
+    for cfg in configs:
+        select_methods(cfg, args.methods)
+    names = [cfg["name"] for cfg in configs]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"configs share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}): "
+                          "each run needs its own folder; give them different name: values")
+    root = out_folder(args.out or "runs")
+    cache = None if args.no_cache else Path(args.cache_dir)
+    failed: list[str] = []
+    if args.ray is not None:
+        from hetfl.reproduce.ray_grid import run_grid_on_ray
+
+        failed = run_grid_on_ray(configs, root, cache, args.data_root, args.device, args.ray, args.cell_cpus,
+                                 args.keep_models)
+    else:
+        for cfg in configs:
+            run(cfg, out=root / cfg["name"], data_root=args.data_root, device=args.device, cache_dir=cache,
+                resume=not args.fresh, keep_checkpoints=args.keep_checkpoints, quiet=args.quiet, announce=True)
+    for name in names:
+        if name not in failed:
+            summary = json.loads((root / name / "summary.json").read_text())
+            print(f"{name} ({root / name}):\n{results_table(summary['results'])}")
+    if failed:
+        print(f"failed: {', '.join(failed)} (run the command again to retry them)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -266,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetfl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run one or several methods on one setting")
-    _add_config_args(run)
+    run = sub.add_parser("run", help="run one or several methods on one setting (or several configs)")
+    _add_config_args(run, many=True)
     run.add_argument("--cache-dir", default=os.environ.get("HETFL_CACHE", "cache/uploads"),
                      help="upload cache folder (env HETFL_CACHE; default cache/uploads)")
     run.add_argument("--no-cache", action="store_true", help="always retrain clients")
@@ -277,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep each method's checkpoints after it finished (default: removed)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                     help="each config a Ray task on the cluster at ADDRESS (default auto: the running cluster, "
+                          "else a local instance); needs hetfl[ray]")
+    run.add_argument("--cell-cpus", type=int, default=1, help="with --ray: CPUs (torch threads) per config")
+    run.add_argument("--keep-models", action="store_true",
+                     help="with --ray: bring the models back from nodes that do not share --out")
     run.set_defaults(func=cmd_run)
 
     flower = sub.add_parser("flower", help="run on Flower's deployment engine (needs hetfl[flower])")
