@@ -12,6 +12,7 @@ ran after the retry; exits non-zero if the grid did not complete. Every process 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -60,10 +61,8 @@ def node_ids(address: str) -> tuple[str, list[str]]:
 
 
 def stop(node: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(node.pid, sig)
-    except ProcessLookupError:
-        pass
     node.wait(60)
 
 

@@ -335,7 +335,7 @@ def server_main(grid: Grid, context: Context) -> None:
     exp = prepare(cfg, root, partitioned=False)  # the server reads the test split only
     transport = FlowerTransport(grid, cfg["clients"], float(cfg["flower"]["timeout"]),
                                 float(cfg["flower"]["node_wait"]), classes=run_classes(exp.splits.test),
-                                shape=exp.splits.shape)
+                                shape=exp.splits.shape, poll=float(context.run_config.get("poll", 0.2)))
     nodes = transport.connect()
     sim = Simulator(exp, out, cache_dir=None, quiet=True, resume=False, data_root=root, transport=transport)
     sim.engine_info = {"name": "flower", "nodes": {str(k): v for k, v in sorted(nodes.items())},

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 RAY_EXTRA = "pip install 'hetfl[ray]'"
+POLL = 0.02  # s between the ServerApp's pulls for replies: in-memory here, not a network round trip
 
 
 def require_ray(option: str) -> None:
@@ -72,7 +73,7 @@ def run_sim(cfg: dict[str, Any], out_dir: Path, *, data_root: str | None = None,
     if isinstance(cfg["dataset"], dict):
         cfg = {**cfg, "dataset": {**cfg["dataset"], "path": str(Path(cfg["dataset"]["path"]).expanduser().resolve())}}
     run_config = {"hetfl-config": json.dumps({**cfg, "data_root": root}), "out-dir": str(out_dir.resolve()),
-                  "data-root": root}
+                  "data-root": root, "poll": POLL}
     server, client = simulation_apps(run_config, threads=max(1, int(client_cpus)))
     where = f"the Ray cluster at {address}" if address else f"a local Ray instance, {workers} worker(s)"
     log(f"hetfl flower sim: {cfg['clients']} virtual SuperNodes on {where}, {client_cpus:g} CPU(s)"
