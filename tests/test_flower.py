@@ -309,13 +309,13 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
     """Everything over TLS, registered node keys; an intruder with an unregistered key is turned
-    away while two sampled rounds of FedAvg and of two MOON runs (each with its own client state in the
-    SuperNodes' context) complete, equal the simulator and leave no process.
+    away while two sampled rounds of FedAvg and of MOON (its client state in the SuperNodes' context)
+    complete, equal the simulator and leave no process.
     (One federation covers all of it: each one costs about a minute of process start-ups on 2 cores.
-    The insecure transport runs in the killed-SuperNode and Ctrl-C tests; a generator stage, DENSE,
-    is checked against the simulator through the fake Grid.)"""
-    cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}, "moon": {"rounds": 3, "sample_ratio": 0.67},
-                          "moon-b": {"method": "moon", "rounds": 3, "sample_ratio": 0.67, "mu": 1.0}},
+    The insecure transport runs in the killed-SuperNode and Ctrl-C tests; two methods' client states kept
+    apart and a generator stage, DENSE, are checked against the simulator through the fake Grid, and MOON's
+    state on Flower's simulation runtime in tests/test_ray.py.)"""
+    cfg = config(methods={"fedavg": {"rounds": 2, "sample_ratio": 0.67}, "moon": {"rounds": 2, "sample_ratio": 0.67}},
                  client={**BASE["client"], "model": "simplecnn"}, server={"model": "simplecnn"})
     feds: list[LocalFederation] = []
 
@@ -361,9 +361,10 @@ def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
-def test_core_package_does_not_import_flwr() -> None:
-    code = ("import sys, hetfl, hetfl.cli, hetfl.methods, hetfl.engine.simulator, hetfl.reproduce.runner; "
-            "sys.exit(int(any(m == 'flwr' or m.startswith('flwr.') for m in sys.modules)))")
+def test_core_package_does_not_import_flwr_or_ray() -> None:
+    code = ("import sys, hetfl, hetfl.cli, hetfl.methods, hetfl.engine.simulator, hetfl.reproduce.runner, "
+            "hetfl.reproduce.ray_grid, hetfl.engine.flower_sim; "
+            "sys.exit(int(any(m.split('.')[0] in ('flwr', 'ray') for m in sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
