@@ -180,6 +180,22 @@ def cmd_flower_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_frontier(args: argparse.Namespace) -> int:
+    """Accuracy against bytes for every method of the runs, per federation: figure, CSV and two tables."""
+    from hetfl.frontier import frontier
+
+    out = out_folder(args.out)
+    panels, left_out, text = frontier([Path(p) for p in args.runs], out, args.x)
+    print(text)
+    for line in left_out:
+        print(f"left out: {line}")
+    if len(panels) > 1:
+        print(f"{len(panels)} panels: runs whose dataset, partition, clients, seed or validation share differ "
+              "are never drawn together")
+    print(f"wrote {out / 'frontier.png'} and {out / 'frontier.csv'}")
+    return 0
+
+
 def cmd_flower_app(args: argparse.Namespace) -> int:
     from hetfl.engine.flower_local import write_app
 
@@ -371,6 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
     key = flower_sub.add_parser("key", help="an EC P-384 key pair for SuperNode authentication")
     key.add_argument("path", help="private key file to write; the public key goes to PATH.pub")
     key.set_defaults(func=cmd_flower_key)
+
+    front = sub.add_parser("frontier", help="accuracy against bytes of every method of the given runs (one panel "
+                                            "per federation): frontier.png, frontier.csv and two tables")
+    front.add_argument("runs", nargs="+", help="run folders, or folders of runs (e.g. a reproduce --out)")
+    front.add_argument("--out", default="runs/frontier", help="folder for frontier.png and frontier.csv")
+    front.add_argument("--x", default="bytes", choices=["bytes", "rounds", "seconds"],
+                       help="x axis (default: bytes, log scale, with the Pareto front)")
+    front.set_defaults(func=cmd_frontier)
 
     part = sub.add_parser("partition", help="print partition stats and write the bubble plot")
     _add_config_args(part)

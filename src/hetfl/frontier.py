@@ -1,0 +1,329 @@
+"""``hetfl frontier RUN_DIR...``: every method of the given runs on one axis of accuracy against bytes.
+
+A panel is one federation: the same dataset (and its options), partition, number of clients, seed and
+validation share, so the same clients. In a panel a one-shot method is one point (its bytes, its model);
+a multi-round or hybrid method is a curve, one point per evaluated round, its bytes cumulative over every
+direction (up, down, and client data relayed between peers). A point's accuracy is the test accuracy of
+the model a user would have picked at that byte count: where the runs hold out a validation split, the
+evaluation with the best validation accuracy so far (a one-shot method: its validation-picked model);
+else the last model (``final``). A method with no bytes at all (``central``) is a reference line.
+
+The Pareto front of a panel is the set of points that no other point of the panel matches or beats in
+both bytes (fewer or equal) and accuracy (higher or equal), with one of the two strictly better.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+TARGETS = (50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 98.0, 99.0)  # target accuracies (%), those some method reached
+BUDGETS_MIB = (1.0, 10.0, 100.0, 1000.0)
+AXES = {"bytes": "MiB exchanged (all directions, cumulative; log scale)", "rounds": "round",
+        "seconds": "seconds (the method's, cumulative)"}
+
+
+@dataclass
+class Point:
+    bytes: int
+    accuracy: float
+    round: int  # 0 for a one-shot method
+    seconds: float
+
+    @property
+    def mib(self) -> float:
+        return self.bytes / MIB
+
+
+@dataclass
+class Curve:
+    run: str
+    method: str
+    family: str  # "one-shot" | "rounds"
+    points: list[Point]
+
+
+@dataclass
+class Panel:
+    key: tuple
+    title: str
+    selection: str  # "val" | "final"
+    runs: list[str] = field(default_factory=list)
+    curves: list[Curve] = field(default_factory=list)
+    references: dict[str, float] = field(default_factory=dict)  # methods with no communication: accuracy
+
+
+def run_folders(paths: list[Path]) -> list[Path]:
+    """The run folders named, or those one level inside a named folder of runs (a reproduce --out)."""
+    found: list[Path] = []
+    for path in paths:
+        if (path / "summary.json").is_file():
+            found.append(path)
+        elif path.is_dir():
+            found += sorted(p.parent for p in path.glob("*/summary.json"))
+        else:
+            raise FileNotFoundError(f"{path}: no such run folder")
+    return found
+
+
+def panel_key(cfg: dict[str, Any]) -> tuple:
+    """What makes two runs' clients the same: dataset and its options, partition, clients, seed, validation."""
+    dataset = cfg.get("dataset")
+    return (json.dumps(dataset, sort_keys=True), json.dumps(cfg.get("data") or {}, sort_keys=True),
+            json.dumps(cfg.get("partition") or {}, sort_keys=True), int(cfg.get("clients", 0)),
+            int(cfg.get("seed", 0)), float(cfg.get("validation") or 0.0))
+
+
+def panel_title(cfg: dict[str, Any]) -> str:
+    spec = dict(cfg.get("partition") or {})
+    kind = spec.pop("kind", "")
+    how = f"{kind} {' '.join(f'{k}={v}' for k, v in spec.items() if k != 'min_size')}".strip()
+    dataset = cfg.get("dataset")
+    name = f"{dataset['kind']}:{Path(dataset['path']).name}" if isinstance(dataset, dict) else str(dataset)
+    return f"{name}, {cfg.get('clients')} clients, {how}, seed {cfg.get('seed', 0)}"
+
+
+def selected(rows: list[dict[str, Any]], use_val: bool) -> list[float]:
+    """Per evaluation, the test accuracy of the model picked so far: best validation so far (the earliest
+    on ties) or the current one."""
+    out, best_val, pick = [], -math.inf, None
+    for row in rows:
+        if not use_val:
+            out.append(float(row["accuracy"]))
+            continue
+        val = row.get("val_accuracy")
+        if val is not None and float(val) > best_val:
+            best_val, pick = float(val), float(row["accuracy"])
+        out.append(pick if pick is not None else float(row["accuracy"]))
+    return out
+
+
+def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[str, Any]],
+                 use_val: bool) -> Curve | None:
+    """A method's points; None for a method with no bytes (a reference, not a point)."""
+    rounds = sorted((r for r in rows if r.get("step", -1) >= 1 and "bytes_up" in r), key=lambda r: r["step"])
+    if rounds:
+        by_step = {r["step"]: r for r in rounds}  # a resumed round: its last row
+        rounds = [by_step[s] for s in sorted(by_step)]
+        start = float(rounds[-1]["logged_at"]) - float(result.get("seconds", 0.0))  # its seconds end at its last row
+        accs = selected(rounds, use_val)
+        points = [Point(int(r["bytes_up"]) + int(r["bytes_down"]) + int(r.get("bytes_peer", 0)), acc, int(r["step"]),
+                        max(0.0, float(r["logged_at"]) - start)) for r, acc in zip(rounds, accs)]
+        return Curve(run, method, "rounds", points)
+    total = int(result.get("bytes_up", 0)) + int(result.get("bytes_down", 0)) + int(result.get("bytes_peer", 0))
+    if total == 0:
+        return None
+    acc = result.get("val_selected_accuracy") if use_val else None
+    return Curve(run, method, "one-shot", [Point(total, float(acc if acc is not None else result["accuracy"]), 0,
+                                                 float(result.get("seconds", 0.0)))])
+
+
+def read_runs(paths: list[Path]) -> tuple[list[Panel], list[str]]:
+    """Panels of the runs' methods, and one line per run or method left out, with the reason."""
+    panels: dict[tuple, Panel] = {}
+    left_out: list[str] = []
+    for folder in run_folders(paths):
+        try:
+            summary = json.loads((folder / "summary.json").read_text())
+            cfg = summary["config"]
+            rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+                if (folder / "metrics.jsonl").is_file() else []
+            for method in summary["results"]:  # a method's own rows, where it keeps them in its folder
+                own = folder / method / "metrics.jsonl"
+                if own.is_file():
+                    rows = [r for r in rows if r.get("method") != method]
+                    rows += [json.loads(line) for line in own.read_text().splitlines() if line.strip()]
+        except (OSError, KeyError, ValueError) as err:
+            left_out.append(f"{folder}: unreadable summary.json or metrics.jsonl ({err})")
+            continue
+        key = panel_key(cfg)
+        use_val = key[-1] > 0
+        panel = panels.setdefault(key, Panel(key, panel_title(cfg), "val" if use_val else "final"))
+        panel.runs.append(str(folder))
+        have = {c.method for c in panel.curves} | set(panel.references)
+        for method, result in summary.get("results", {}).items():
+            if method in have:
+                left_out.append(f"{folder}: {method} already comes from another run of the same federation")
+                continue
+            curve = method_curve(str(folder), method, result, [r for r in rows if r.get("method") == method],
+                                 use_val)
+            if curve is None:
+                panel.references[method] = float(result["accuracy"])
+            else:
+                panel.curves.append(curve)
+    return list(panels.values()), left_out
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points (bytes, accuracy) on the front: fewest bytes for their accuracy. Sorted by
+    bytes, then accuracy descending, a point is on the front when it beats the best accuracy seen."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def panel_front(panel: Panel) -> list[tuple[Curve, Point]]:
+    flat = [(c, p) for c in panel.curves for p in c.points]
+    return [flat[i] for i in pareto([(p.bytes, p.accuracy) for _, p in flat])]
+
+
+def targets_table(panel: Panel) -> list[dict[str, Any]]:
+    """Per target accuracy reached by some method: the cheapest method to reach it (MiB, rounds, seconds)."""
+    best = max((p.accuracy for c in panel.curves for p in c.points), default=0.0)
+    out = []
+    for target in (t for t in TARGETS if t <= best):
+        firsts = []
+        for curve in panel.curves:
+            first = next((p for p in curve.points if p.accuracy >= target), None)
+            if first is not None:
+                firsts.append((first.bytes, curve, first))
+        _, curve, point = min(firsts, key=lambda x: x[0])
+        out.append({"target": target, "method": curve.method, "mib": point.mib, "round": point.round,
+                    "seconds": point.seconds})
+    return out
+
+
+def budgets_table(panel: Panel) -> list[dict[str, Any]]:
+    """Per byte budget: the best accuracy reached within it, and by which method (at which round)."""
+    out = []
+    for budget in BUDGETS_MIB:
+        within = [(p.accuracy, -p.bytes, c, p) for c in panel.curves for p in c.points if p.mib <= budget]
+        if not within:
+            out.append({"budget_mib": budget, "method": None, "accuracy": None, "round": None, "mib": None})
+            continue
+        acc, _, curve, point = max(within, key=lambda x: (x[0], x[1]))
+        out.append({"budget_mib": budget, "method": curve.method, "accuracy": acc, "round": point.round,
+                    "mib": point.mib})
+    return out
+
+
+def markdown_tables(panel: Panel) -> str:
+    pick = "validation-picked" if panel.selection == "val" else "final"
+    lines = [f"Cheapest method to each target accuracy ({pick} models):", "",
+             "| target | method | MiB | rounds | seconds |", "|---|---|---|---|---|"]
+    for row in targets_table(panel):
+        lines.append(f"| {row['target']:.0f} % | {row['method']} | {row['mib']:,.1f} | "
+                     f"{row['round'] or 'one shot'} | {row['seconds']:,.0f} |")
+    lines += ["", f"Best accuracy within each byte budget ({pick} models):", "",
+              "| budget | accuracy % | method | rounds | MiB |", "|---|---|---|---|---|"]
+    for row in budgets_table(panel):
+        if row["method"] is None:
+            lines.append(f"| {row['budget_mib']:,.0f} MiB | - | no method fits | - | - |")
+        else:
+            lines.append(f"| {row['budget_mib']:,.0f} MiB | {row['accuracy']:.2f} | {row['method']} | "
+                         f"{row['round'] or 'one shot'} | {row['mib']:,.1f} |")
+    if panel.references:
+        lines += ["", "Without communication (reference): " + ", ".join(
+            f"{m} {a:.2f} %" for m, a in sorted(panel.references.items()))]
+    return "\n".join(lines)
+
+
+def write_csv(panels: list[Panel], path: Path) -> Path:
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["panel", "run", "method", "family", "round", "bytes", "mib", "accuracy", "selection",
+                      "seconds", "on_front"])
+        for number, panel in enumerate(panels, 1):
+            front = {(id(c), id(p)) for c, p in panel_front(panel)}
+            for curve in panel.curves:
+                for p in curve.points:
+                    out.writerow([number, curve.run, curve.method, curve.family, p.round, p.bytes, f"{p.mib:.4f}",
+                                  f"{p.accuracy:.4f}", panel.selection, f"{p.seconds:.2f}",
+                                  int((id(curve), id(p)) in front)])
+    return path
+
+
+def spread_labels(ys: list[float], gap: float, top: float = math.inf) -> list[float]:
+    """Label heights at least ``gap`` apart and at most ``top``, each as near its own height as the order
+    allows: pushed up from below, then down from ``top``."""
+    order = sorted(range(len(ys)), key=lambda i: ys[i])
+    placed = [0.0] * len(ys)
+    last = -math.inf
+    for i in order:
+        placed[i] = max(ys[i], last + gap)
+        last = placed[i]
+    ceiling = top
+    for i in reversed(order):
+        placed[i] = min(placed[i], ceiling)
+        ceiling = placed[i] - gap
+    return placed
+
+
+def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hetfl.report import save_figure
+
+    methods = sorted({c.method for panel in panels for c in panel.curves})
+    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # a method keeps its colour in every panel
+    cols = min(2, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        x_of = {"bytes": lambda p: p.mib, "rounds": lambda p: p.round, "seconds": lambda p: p.seconds}[axis]
+        ends = []
+        for curve in panel.curves:
+            color = colors[curve.method]
+            xs, ys = [x_of(p) for p in curve.points], [p.accuracy for p in curve.points]
+            if curve.family == "one-shot":
+                ax.scatter(xs, ys, marker="D", s=30, color=color, zorder=3)
+            else:
+                ax.plot(xs, ys, color=color, lw=1.2, marker=".", ms=3)
+            ends.append((xs[-1], ys[-1], curve.method, color))
+        if axis == "bytes":
+            front = sorted(((p.mib, p.accuracy) for _, p in panel_front(panel)))
+            if front:
+                ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", lw=2.2, alpha=0.35,
+                        label="Pareto front", zorder=1)
+            ax.set_xscale("log")
+        for method, acc in sorted(panel.references.items()):
+            ax.axhline(acc, color="grey", ls=":", lw=1)
+            ax.annotate(f"{method} (no communication)", (0.01, acc), xycoords=("axes fraction", "data"),
+                        fontsize=6, color="grey", va="bottom")
+        lo, hi = ax.get_ylim()
+        heights = spread_labels([e[1] for e in ends], gap=(hi - lo) * 0.045, top=hi - (hi - lo) * 0.02)
+        for (x, _, method, color), y in zip(ends, heights):
+            ax.annotate(method, (x, y), xytext=(4, 0), textcoords="offset points", fontsize=7, color=color,
+                        va="center")
+        ax.set_xlabel(AXES[axis], fontsize=8)
+        ax.set_ylabel(f"test accuracy % ({'validation-picked' if panel.selection == 'val' else 'final'} model)",
+                      fontsize=8)
+        ax.set_title(panel.title, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        if axis == "bytes" and panel.curves:
+            ax.legend(fontsize=7, loc="lower right")
+            left, right = ax.get_xlim()
+            ax.set_xlim(left, right * 3)  # room for the labels at the curves' ends
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    return save_figure(fig, path)
+
+
+def frontier(paths: list[Path], out: Path, axis: str = "bytes") -> tuple[list[Panel], list[str], str]:
+    """Read the runs; write ``frontier.png`` and ``frontier.csv`` under ``out``; return the panels, the
+    runs and methods left out, and the tables as markdown."""
+    if axis not in AXES:
+        raise ValueError(f"--x {axis!r}: choose from {', '.join(AXES)}")
+    panels, left_out = read_runs(paths)
+    panels = [p for p in panels if p.curves]
+    if not panels:
+        raise ValueError("no run with an evaluated method that exchanged bytes among: "
+                         + ", ".join(str(p) for p in paths))
+    out.mkdir(parents=True, exist_ok=True)
+    plot(panels, out / "frontier.png", axis)
+    write_csv(panels, out / "frontier.csv")
+    text = "\n\n".join(f"### {panel.title}\n\nRuns: {', '.join(panel.runs)}\n\n{markdown_tables(panel)}"
+                       for panel in panels)
+    return panels, left_out, text
