@@ -123,6 +123,54 @@ def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[
                                                  float(result.get("seconds", 0.0)))])
 
 
+def run_rows(folder: Path, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's metrics rows; a method that keeps its own ``<method>/metrics.jsonl`` gives its rows from there."""
+    path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    for method in summary["results"]:
+        own = folder / method / "metrics.jsonl"
+        if own.is_file():
+            rows = [r for r in rows if r.get("method") != method]
+            rows += [json.loads(line) for line in own.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def run_curves(folder: Path, summary: dict[str, Any]) -> tuple[list[Curve], dict[str, float]]:
+    """A run's curves and its methods without communication (their accuracy)."""
+    rows, use_val = run_rows(folder, summary), float(summary["config"].get("validation") or 0.0) > 0
+    curves, references = [], {}
+    for method, result in summary["results"].items():
+        curve = method_curve(str(folder), method, result, [r for r in rows if r.get("method") == method], use_val)
+        if curve is None:
+            references[method] = float(result["accuracy"])
+        else:
+            curves.append(curve)
+    return curves, references
+
+
+def front_entries(folder: Path, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per method, what a results page needs to draw it (kept in the archive): its family and points
+    ``[round, bytes, accuracy, seconds]``, or the accuracy of a method without communication."""
+    curves, references = run_curves(folder, summary)
+    out: dict[str, dict[str, Any]] = {m: {"reference": round(a, 2)} for m, a in references.items()}
+    for curve in curves:
+        out[curve.method] = {"family": curve.family, "points": [[p.round, p.bytes, round(p.accuracy, 2),
+                                                                 round(p.seconds, 1)] for p in curve.points]}
+    return out
+
+
+def panel_from_entries(title: str, selection: str, entries: dict[str, dict[str, Any]], run: str = "") -> Panel:
+    """A panel from archived :func:`front_entries` (one cell's methods)."""
+    panel = Panel((title,), title, selection, runs=[run] if run else [])
+    for method, entry in entries.items():
+        if "reference" in entry:
+            panel.references[method] = float(entry["reference"])
+        else:
+            panel.curves.append(Curve(run, method, entry["family"],
+                                      [Point(int(b), float(a), int(r), float(s)) for r, b, a, s in entry["points"]]))
+    return panel
+
+
 def read_runs(paths: list[Path]) -> tuple[list[Panel], list[str]]:
     """Panels of the runs' methods, and one line per run or method left out, with the reason."""
     panels: dict[tuple, Panel] = {}
@@ -130,32 +178,25 @@ def read_runs(paths: list[Path]) -> tuple[list[Panel], list[str]]:
     for folder in run_folders(paths):
         try:
             summary = json.loads((folder / "summary.json").read_text())
+            curves, references = run_curves(folder, summary)
             cfg = summary["config"]
-            rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-                if (folder / "metrics.jsonl").is_file() else []
-            for method in summary["results"]:  # a method's own rows, where it keeps them in its folder
-                own = folder / method / "metrics.jsonl"
-                if own.is_file():
-                    rows = [r for r in rows if r.get("method") != method]
-                    rows += [json.loads(line) for line in own.read_text().splitlines() if line.strip()]
         except (OSError, KeyError, ValueError) as err:
             left_out.append(f"{folder}: unreadable summary.json or metrics.jsonl ({err})")
             continue
         key = panel_key(cfg)
-        use_val = key[-1] > 0
-        panel = panels.setdefault(key, Panel(key, panel_title(cfg), "val" if use_val else "final"))
+        panel = panels.setdefault(key, Panel(key, panel_title(cfg), "val" if key[-1] > 0 else "final"))
         panel.runs.append(str(folder))
         have = {c.method for c in panel.curves} | set(panel.references)
-        for method, result in summary.get("results", {}).items():
-            if method in have:
-                left_out.append(f"{folder}: {method} already comes from another run of the same federation")
-                continue
-            curve = method_curve(str(folder), method, result, [r for r in rows if r.get("method") == method],
-                                 use_val)
-            if curve is None:
-                panel.references[method] = float(result["accuracy"])
+        for curve in curves:
+            if curve.method in have:
+                left_out.append(f"{folder}: {curve.method} already comes from another run of the same federation")
             else:
                 panel.curves.append(curve)
+        for method, acc in references.items():
+            if method in have:
+                left_out.append(f"{folder}: {method} already comes from another run of the same federation")
+            else:
+                panel.references[method] = acc
     return list(panels.values()), left_out
 
 

@@ -17,7 +17,7 @@ PAPERS = Path(__file__).with_name("papers")
 KEYS = {"title", "source", "cell_name", "metric", "ours", "paper_method", "baselines", "datasets", "settings", "seeds",
         "default_budget", "protocol", "config", "methods", "labels", "budgets", "published", "anchors",
         "setting_override", "reference", "orderings", "setting_format", "cost_targets", "round_offset",
-        "cell_figures"}
+        "cell_figures", "report"}
 # besides the template's values; datasets / settings / seeds: the budget's default grid
 BUDGET_KEYS = {"about", "methods", "methods_override", "config_override", "datasets", "settings", "seeds"}
 

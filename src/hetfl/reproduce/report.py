@@ -44,9 +44,16 @@ def machine(env: dict[str, Any]) -> str:
     return f"{env.get('cpu') or 'an unrecorded CPU'}" + (f", {threads} thread{'s' * (threads != 1)}" if threads else "")
 
 
-def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, Any]:
+def condense(summary: dict[str, Any], folder: Path | None = None, front: bool = False) -> dict[str, Any]:
     """What the results page needs of a cell's summary: per method final / validation-selected /
-    test-best accuracy and the curve, the cell's minutes and machine."""
+    test-best accuracy and the curve, the cell's minutes and machine; with ``front``, each method's points
+    of accuracy against bytes (a frontier page's)."""
+    if front and folder is not None:
+        from hetfl.frontier import front_entries
+
+        fronts = front_entries(folder, summary)
+    else:
+        fronts = {}
     results = {}
     for label, r in summary["results"].items():
         entry = {"method": r.get("method", label), "final": round(r["accuracy"], 2),
@@ -72,6 +79,8 @@ def condense(summary: dict[str, Any], folder: Path | None = None) -> dict[str, A
         if isinstance(r.get("clusters"), dict):  # HFLDD's clustering
             entry["clusters"] = {k: r["clusters"][k] for k in ("homogeneous", "heterogeneous", "sizes")
                                  if k in r["clusters"]}
+        if label in fronts:
+            entry["front"] = fronts[label]
         results[label] = entry
     return {"results": results, "minutes": round(summary.get("minutes") or 0.0, 1),
             "machine": machine(summary.get("environment", {}))}
@@ -186,12 +195,12 @@ def runs_cells(root: Path) -> tuple[dict[str, dict[str, Any]], dict[str, list[st
     return done, unfinished
 
 
-def load_cells(root: Path, archive: Path) -> dict[str, dict[str, Any]]:
+def load_cells(root: Path, archive: Path, front: bool = False) -> dict[str, dict[str, Any]]:
     """The archived cells, each overlaid by the runs folder's finished cell of its name; an unfinished
     cell is left out, so a stopped grid never puts some of a cell's methods beside whole cells."""
     cells = json.loads(archive.read_text()) if archive.is_file() else {}
     for name, summary in runs_cells(root)[0].items():
-        cells[name] = merge_cell(cells.get(name), condense(summary, root / name))
+        cells[name] = merge_cell(cells.get(name), condense(summary, root / name, front))
     return cells
 
 
@@ -671,6 +680,10 @@ def render(paper: Paper, cells: dict[str, Any], figures: list[str], folder: Path
 
 
 def write_results(paper: Paper, root: Path, results: Path, archive: Path) -> None:
+    if paper.spec.get("report") == "frontier":
+        from hetfl.reproduce.frontier_page import write_frontier_page
+
+        return write_frontier_page(paper, root, results, archive)
     cells = load_cells(root, archive)
     results.parent.mkdir(parents=True, exist_ok=True)
     budget = paper.default_budget

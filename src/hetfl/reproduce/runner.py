@@ -159,8 +159,9 @@ def save_archive(paper: Paper, root: Path, archive: Path) -> int:
             print(f"{name}: archived {', '.join(summary['results'])}; {', '.join(missing)} stay as archived")
         else:
             print(f"not archived: {name} has no result yet for {', '.join(missing)}")
+    front = paper.spec.get("report") == "frontier"  # a frontier page draws each method's points
     for name, summary in done.items():
-        saved[name] = merge_cell(saved.get(name), condense(summary, root / name))
+        saved[name] = merge_cell(saved.get(name), condense(summary, root / name, front))
         for label, figure in paper.spec.get("cell_figures", {}).items():  # e.g. HFLDD's clusters.png
             source = root / name / label / figure
             if source.is_file():
