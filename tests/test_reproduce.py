@@ -16,7 +16,7 @@ from hetfl.reproduce.runner import finished, run_cell, run_grid
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
-@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd"])
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd", "frontier"])
 def test_every_cell_of_every_budget_is_a_valid_config(name):
     paper = load_paper(name)
     for budget in paper.budgets:
@@ -50,7 +50,7 @@ def test_unknown_paper_budget_or_setting_fail_with_the_choices(tmp_path, capsys)
     assert {"fedhydra", "fedmho", "kdia"} <= set(paper_names())
 
 
-@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd"])
+@pytest.mark.parametrize("name", ["fedhydra", "fedmho", "kdia", "hfldd", "frontier"])
 def test_report_only_regenerates_the_committed_page_byte_for_byte(tmp_path, name):
     paper = load_paper(name)
     out = tmp_path / f"{name}.md"
@@ -369,3 +369,22 @@ def test_a_result_run_with_another_optimiser_is_marked_on_the_page(tmp_path):
 def test_a_budgets_method_overrides_add_no_method_the_cell_left_out():
     cell = cell_config(load_paper("kdia"), "synthetic", "0.5", 0, "smoke", ["fedavg"])  # smoke overrides fedcog
     assert list(cell["methods"]) == ["fedavg"]
+
+
+def test_the_frontier_smoke_grid_draws_every_method_on_bytes_and_regenerates_from_its_archive(tmp_path):
+    page = tmp_path / "page" / "frontier.md"
+    runs = ["reproduce", "frontier", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),
+            "--no-cache", "--quiet"]
+    assert main([*runs, "--save"]) == 0
+    text = page.read_text()
+    assert "#### Synthetic (the smoke budget), Dirichlet(0.5), seed 0" in text
+    assert "Best accuracy within each byte budget (validation-picked models)" in text
+    assert (tmp_path / "page" / "frontier-smoke-synthetic.png").is_file()
+    archived = json.loads((tmp_path / "page" / "frontier-runs.json").read_text())["frontier-synthetic-0.5-s0-smoke"]
+    fronts = {label: r["front"] for label, r in archived["results"].items()}
+    assert fronts["fedavg_oneshot"]["family"] == "one-shot" and len(fronts["fedavg_oneshot"]["points"]) == 1
+    assert fronts["fedavg"]["family"] == "rounds" and [p[0] for p in fronts["fedavg"]["points"]] == [1, 2, 3]
+    first = text
+    assert main(["reproduce", "frontier", "--report-only", "--out", str(tmp_path / "no-runs"), "--results",
+                 str(page)]) == 0
+    assert page.read_text() == first  # the archive alone gives the same page

@@ -15,6 +15,15 @@ from hetfl.reproduce.paper import Paper, cell_name
 from hetfl.reproduce.report import ARCHIVE_SUFFIX, MAX_SEEDS, load_cells, protocol_optimiser
 
 
+def setting_title(partition: dict[str, Any]) -> str:
+    """``Dirichlet(0.1)``, ``2 classes per client``, or the partition's kind and values."""
+    if partition.get("kind") == "dirichlet":
+        return f"Dirichlet({partition['alpha']})"
+    if partition.get("kind") == "classes":
+        return f"{partition['per_client']} classes per client"
+    return ", ".join(f"{k} {v}" for k, v in partition.items())
+
+
 def cell_panel(paper: Paper, cell: dict[str, Any], title: str) -> Panel:
     entries = {paper.label(label): r["front"] for label, r in cell["results"].items() if "front" in r}
     selection = "val" if float(paper.config.get("validation") or 0.0) > 0 else "final"
@@ -31,12 +40,12 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str, results: Pa
     lines = [f"## Budget `{budget}`", "", f"{paper.budgets[budget]['about']}. {len(runs)} cells; minutes per cell "
              + (f"{statistics.fmean(minutes):.1f} (range {min(minutes):.1f}-{max(minutes):.1f})" if minutes else "-")
              + f"; on {'; '.join(machines)}.", ""]
-    fmt = paper.spec.get("setting_format", "{}")
     for dataset, name in paper.datasets.items():
         keys = [k for k in runs if k[0] == dataset]
         if not keys:
             continue
-        panels = [cell_panel(paper, runs[k], f"{name}, {fmt.format(k[1])}, seed {k[2]}") for k in keys]
+        panels = [cell_panel(paper, runs[k], f"{name}, {setting_title(paper.settings[k[1]])}, seed {k[2]}")
+                  for k in keys]
         panels = [p for p in panels if p.curves]
         if not panels:
             continue
