@@ -8,6 +8,9 @@ the model a user would have picked at that byte count: where the runs hold out a
 evaluation with the best validation accuracy so far (a one-shot method: its validation-picked model);
 else the last model (``final``). A method with no bytes at all (``central``) is a reference line.
 
+A point's round is the method's evaluation step (HFLDD's steps 1 and 2 are its clustering and distillation
+stages, so its training round r is step r + 2); its seconds are the method's own, cumulative.
+
 The Pareto front of a panel is the set of points that no other point of the panel matches or beats in
 both bytes (fewer or equal) and accuracy (higher or equal), with one of the two strictly better.
 """
