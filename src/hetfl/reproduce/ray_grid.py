@@ -143,9 +143,13 @@ def run_grid_on_ray(cells: list[dict[str, Any]], root: Path, cache: Path | None,
     task = ray.remote(cell_task).options(num_cpus=cell_cpus, num_gpus=gpus, max_retries=1, retry_exceptions=False,
                                          scheduling_strategy="SPREAD")  # cells over the nodes, not packed
     cache_arg = str(cache.resolve()) if cache else None
-    data_arg = str(Path(data_root).resolve()) if data_root else None
     refs: dict[Any, str] = {}
     for cfg in cells:
+        # paths as this machine resolves them: a worker's own working folder is not the driver's
+        data_arg = str(Path(data_root or cfg.get("data_root") or "data").expanduser().resolve())
+        if isinstance(cfg.get("dataset"), dict) and "path" in cfg["dataset"]:
+            path = str(Path(cfg["dataset"]["path"]).expanduser().resolve())
+            cfg = {**cfg, "dataset": {**cfg["dataset"], "path": path}}
         prior = root / cfg["name"] / "summary.json"
         refs[task.remote(cfg, str(root), marker, prior.read_text() if prior.is_file() else None, cache_arg, data_arg,
                          device, cell_cpus, keep_models)] = cfg["name"]
