@@ -307,6 +307,7 @@ def test_node_with_wrong_partition_count_is_refused(tmp_path: Path, task_identit
 
 
 # ---- real SuperLink and SuperNodes on 127.0.0.1 ---------------------------------------------
+@pytest.mark.slow
 def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path: Path) -> None:
     """Everything over TLS, registered node keys; an intruder with an unregistered key is turned
     away while two sampled rounds of FedAvg and of MOON (its client state in the SuperNodes' context)
@@ -336,6 +337,7 @@ def test_tls_with_node_authentication_refuses_an_unregistered_node(tmp_path: Pat
     assert feds[0].alive() == [] and not feds[0].home.exists()
 
 
+@pytest.mark.slow
 def test_killed_supernode_is_recorded_missing_and_one_shot_run_finishes(tmp_path: Path) -> None:
     cfg = config(methods={"ensemble": {}}, flower={"timeout": 40, "node_wait": 60})
     connected = threading.Event()
@@ -417,6 +419,7 @@ def test_a_federation_folder_whose_owner_is_gone_is_removed(tmp_path: Path) -> N
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow
 def test_the_readmes_flower_example_runs_as_written(tmp_path: Path, capsys) -> None:
     line = next(x for x in README.read_text().splitlines() if "hetfl flower local configs/" in x)
     command = line.split("`")[1].split()
@@ -448,6 +451,7 @@ def start_flower_local(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, P
     return proc, home
 
 
+@pytest.mark.slow
 def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) -> None:
     proc, home = start_flower_local(tmp_path, "--tls")
     assert (home / "certificates").is_dir()
@@ -460,6 +464,7 @@ def test_kill_9_of_flower_local_leaves_no_process_and_no_keys(tmp_path: Path) ->
     assert live_processes_with_home(home) == [] and not home.exists()
 
 
+@pytest.mark.slow
 def test_flower_local_cli_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     proc, home = start_flower_local(tmp_path)
     time.sleep(3)

@@ -77,6 +77,7 @@ def small_mnist(per_class: int = 100, test_per_class: int = 50) -> DatasetSplits
     return DatasetSplits(take(full.train, per_class), take(full.test, test_per_class))
 
 
+@pytest.mark.slow
 def test_every_round_method_learns_under_label_skew(tmp_path):
     """One run of every method (one test, so that pytest-xdist runs it once): each ends well above chance
     and within 30 points of FedAvg on the same clients and budget (measured on a 2-core EPYC: FedAvg 73.2 %,

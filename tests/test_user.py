@@ -385,6 +385,7 @@ def test_node_data_takes_no_validation_share(tmp_path, capsys):
     assert "no validation share" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_flower_local_with_client_data_folders_runs_fedavg_and_kdia_over_tls(tmp_path, capsys):
     """Real SuperLink and SuperNodes on 127.0.0.1: one per folder, one of them with a class the run lacks."""
     folders = [write_node(tmp_path / f"node{i}", counts) for i, counts in enumerate(NODE_COUNTS[:2])]
