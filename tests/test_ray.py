@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def test_a_grid_on_a_two_node_ray_cluster_uses_both_nodes_and_equals_a_local_run
     while any(session_processes(n.pid) for n in nodes) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(session_processes(n.pid) for n in nodes), "a Ray process the test started is left"
+    shutil.rmtree(temp, ignore_errors=True)  # the cluster's logs
     summaries = [json.loads(p.read_text()) for p in sorted((tmp_path / "ray").glob("*/summary.json"))]
     assert len(summaries) == 4 and len({s["ray"]["node_id"] for s in summaries}) == 2  # both nodes ran cells
     assert not list((tmp_path / "ray").glob(".hetfl-ray-*"))  # the shared-folder marker is gone
