@@ -58,8 +58,3 @@ def tiny_config() -> dict:
 def synthetic_small():  # tiny (20 ms): a fresh copy per test, none shared
     return load_synthetic(classes=4, channels=1, size=16, train_per_class=60, test_per_class=30, seed=3)
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests marked ``slow`` (Flower federations, Ray clusters, real MNIST) first: under pytest-xdist a
-    minute-long test that starts last leaves the other worker idle while it finishes."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -84,7 +84,9 @@ def without_timings(page: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_grid_on_a_two_node_ray_cluster_uses_both_nodes_and_equals_a_local_run(tmp_path: Path) -> None:
+def test_a_grid_on_a_two_node_ray_cluster_uses_both_nodes_and_equals_a_local_run(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    monkeypatch.setattr("hetfl.reproduce.runner.usable_cpus", lambda: 1)  # one thread a cell, as on the nodes
     assert main([*GRID, "--out", str(tmp_path / "local"), "--results", str(tmp_path / "local-page" / "kdia.md")]) == 0
     port = free_port()
     temp = tempfile.mkdtemp(prefix="/tmp/hetfl-ray-")  # short: Ray's socket paths live under it

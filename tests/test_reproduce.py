@@ -45,7 +45,8 @@ def test_unknown_paper_budget_or_setting_fail_with_the_choices(tmp_path, capsys)
     assert "--budget: unknown 'huge'; choose from: reduced-t60-g30, reduced, paper" in capsys.readouterr().err
     assert main(["reproduce", "fedmho", "--settings", "0.7", "--out", str(tmp_path)]) == 2
     assert "--settings: unknown ['0.7']; choose from: 0.5, 0.3, 0.1" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="unknown paper 'nope'; choose one of: fedhydra, fedmho, hfldd, kdia"):
+    with pytest.raises(ConfigError, match="unknown paper 'nope'; choose one of: fedhydra, fedmho, frontier, hfldd, "
+                                          "kdia"):
         load_paper("nope")
     assert {"fedhydra", "fedmho", "kdia"} <= set(paper_names())
 
