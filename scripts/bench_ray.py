@@ -9,9 +9,9 @@
 and whether the two results pages are equal (measured times blanked).
 
 ``sim``: FedAvg and MOON on MNIST, 100 clients, 10 sampled per round, ``--rounds`` rounds: ``hetfl run``
-at 1 and at 2 torch threads, and ``hetfl flower sim --workers 1`` and ``--workers 2`` (one CPU each). Prints seconds per round
-(the server's evaluations between consecutive rounds, round 1 excluded: it pays for process and data start)
-and the command's wall seconds.
+at 1 and at 2 torch threads, and ``hetfl flower sim --workers 1`` and ``--workers 2`` (one CPU each). Prints
+seconds per round (the server's evaluations between consecutive rounds, round 1 excluded: it pays for process
+and data start) and the command's wall seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,9 @@ from pathlib import Path
 
 import yaml
 
+from hetfl.engine.flower_local import free_port
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_node(*args: str) -> subprocess.Popen:

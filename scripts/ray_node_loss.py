@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from hetfl.engine.flower_local import free_port
+
 CONFIG = {
     "seed": 0, "dataset": "synthetic",
     "data": {"train_per_class": 100, "test_per_class": 20, "size": 16, "classes": 4, "noise": 0.2},
@@ -32,12 +33,6 @@ CONFIG = {
     "client": {"model": "cnn2", "epochs": 2, "batch_size": 16, "lr": 0.05},
     "server": {"model": "cnn2"},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_node(*args: str) -> subprocess.Popen:

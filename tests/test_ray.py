@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hetfl.cli import main
+from hetfl.engine.flower_local import free_port
 from hetfl.reproduce.paper import cell_config, load_paper
 from hetfl.reproduce.ray_grid import cell_task, folder_files, write_files
 
@@ -38,14 +39,6 @@ def session_processes(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z":
             found.append(int(entry.name))
     return found
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_node(*args: str) -> subprocess.Popen:
@@ -196,7 +189,7 @@ def test_hetfl_run_of_several_configs_on_ray_equals_them_one_after_another(tmp_p
         paths[-1].write_text(yaml.safe_dump(cfg))
     args = [str(p) for p in paths] + ["--no-cache", "--quiet", "--methods", "fedavg"]
     assert main(["run", *args, "--out", str(tmp_path / "seq")]) == 0
-    assert main(["run", *args, "--out", str(tmp_path / "ray"), "--ray"]) == 0
+    assert main(["run", *args, "--out", str(tmp_path / "ray"), "--ray", "local"]) == 0  # not another test's cluster
     for name in ("a", "b"):
         seq, ours = (json.loads((tmp_path / kind / name / "summary.json").read_text()) for kind in ("seq", "ray"))
         assert ours["results"]["fedavg"]["accuracy"] == seq["results"]["fedavg"]["accuracy"]

@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="each config a Ray task on the cluster at ADDRESS (default auto: the running cluster, "
-                          "else a local instance); needs hetfl[ray]")
+                          "else a local instance; local: always a new one); needs hetfl[ray]")
     run.add_argument("--cell-cpus", type=int, default=1, help="with --ray: CPUs (torch threads) per config")
     run.add_argument("--keep-models", action="store_true",
                      help="with --ray: bring the models back from nodes that do not share --out")

@@ -42,11 +42,15 @@ def require_ray(option: str = "--ray") -> Any:
 
 
 def connect(ray: Any, address: str | None, num_cpus: int) -> bool:
-    """Join the cluster at ``address`` (``auto``: the running one); without one, start a local instance
-    with ``num_cpus`` CPUs. Returns whether this process started it."""
+    """Join the cluster at ``address`` (``auto``: the one running on this machine, found by Ray; ``local``: none,
+    a new instance); without a cluster, start a local instance with ``num_cpus`` CPUs. Returns whether this
+    process started it."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    if address == "local":  # a new instance of our own, even where a cluster runs on this machine
+        ray.init(address="local", num_cpus=num_cpus, **quiet)
+        return True
     if address and address != "auto":
         ray.init(address=address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
         return False

@@ -240,7 +240,7 @@ def add_arguments(rep: argparse.ArgumentParser) -> None:
     rep.add_argument("--jobs", type=int, default=1, help="cells run at once (each gets cpus/jobs threads)")
     rep.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                      help="run each cell as a Ray task on the cluster at ADDRESS (default auto: the running "
-                          "cluster, else a local instance); needs hetfl[ray]")
+                          "cluster, else a local instance; local: always a new one); needs hetfl[ray]")
     rep.add_argument("--cell-cpus", type=int, default=1, help="with --ray: CPUs (torch threads) per cell (default 1)")
     rep.add_argument("--keep-models", action="store_true",
                      help="with --ray: bring the cells' models back from nodes that do not share --out")
