@@ -29,7 +29,7 @@ GRID = ["reproduce", "kdia", "--budget", "smoke", "--settings", "0.5", "--seeds"
 
 
 def session_processes(sid: int) -> list[int]:
-    """Live processes of the session ``sid`` (every process a ``ray start`` in its own session starts)."""
+    """Live processes whose sid is ``sid``: all that a ``ray start`` started with ``start_new_session`` made."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:

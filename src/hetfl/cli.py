@@ -324,6 +324,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hetfl.reproduce.runner import add_ray_arguments
+
     parser = argparse.ArgumentParser(prog="hetfl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -338,12 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep each method's checkpoints after it finished (default: removed)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
-    run.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                     help="each config a Ray task on the cluster at ADDRESS (default auto: the running cluster, "
-                          "else a local instance; local: always a new one); needs hetfl[ray]")
-    run.add_argument("--cell-cpus", type=int, default=1, help="with --ray: CPUs (torch threads) per config")
-    run.add_argument("--keep-models", action="store_true",
-                     help="with --ray: bring the models back from nodes that do not share --out")
+    add_ray_arguments(run, "config")
     run.set_defaults(func=cmd_run)
 
     flower = sub.add_parser("flower", help="run on Flower's deployment engine (needs hetfl[flower])")

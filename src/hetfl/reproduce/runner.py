@@ -224,6 +224,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_ray_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--ray [ADDRESS]``, ``--cell-cpus`` and ``--keep-models``: each ``what`` (a cell, a config) one Ray task."""
+    parser.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                        help=f"run each {what} as a Ray task on the cluster at ADDRESS (default auto: the running "
+                             "cluster, else a local instance; local: always a new one); needs hetfl[ray]")
+    parser.add_argument("--cell-cpus", type=int, default=1, help=f"with --ray: CPUs (torch threads) per {what}")
+    parser.add_argument("--keep-models", action="store_true",
+                        help="with --ray: bring the models back from nodes that do not share the runs folder")
+
+
 def add_arguments(rep: argparse.ArgumentParser) -> None:
     from hetfl.reproduce.paper import paper_names
 
@@ -238,12 +248,7 @@ def add_arguments(rep: argparse.ArgumentParser) -> None:
                      help="comma-separated labels: run these methods of the chosen cells again even where "
                           "finished (their old results and minutes are dropped)")
     rep.add_argument("--jobs", type=int, default=1, help="cells run at once (each gets cpus/jobs threads)")
-    rep.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                     help="run each cell as a Ray task on the cluster at ADDRESS (default auto: the running "
-                          "cluster, else a local instance; local: always a new one); needs hetfl[ray]")
-    rep.add_argument("--cell-cpus", type=int, default=1, help="with --ray: CPUs (torch threads) per cell (default 1)")
-    rep.add_argument("--keep-models", action="store_true",
-                     help="with --ray: bring the cells' models back from nodes that do not share --out")
+    add_ray_arguments(rep, "cell")
     rep.add_argument("--report-only", action="store_true", help="only rewrite the results page")
     rep.add_argument("--save", action="store_true",
                      help="add the finished cells to the archived results beside the results page")
