@@ -90,3 +90,14 @@ def test_frontier_of_a_one_shot_and_a_multi_round_run(tmp_path: Path, capsys) ->
     assert float(last["accuracy"]) == round(summary["val_selected_accuracy"], 4)  # the pick, not the last model
     points = [(float(r["bytes"]), float(r["accuracy"])) for r in first]
     assert {i for i, r in enumerate(first) if r["on_front"] == "1"} == slow_front(points)
+    # the clients' seconds: cumulative per round, the summary's at the end; the server's are the rest
+    client = [float(r["client_seconds"]) for r in first[1:]]
+    assert 0 < client[0] <= client[1] <= client[2] and abs(client[-1] - summary["client_seconds"]) < 0.01
+    assert abs(summary["server_seconds"] - (summary["seconds"] - summary["client_seconds"])) < 1e-9
+    assert all(abs(float(r["client_seconds"]) + float(r["server_seconds"]) - float(r["seconds"])) < 0.02
+               for r in first)
+    shot = json.loads((one / "summary.json").read_text())["results"]["ensemble"]
+    assert abs(float(first[0]["client_seconds"]) - shot["client_seconds"]) < 0.01
+    assert "| ensemble | one-shot | one shot |" in text and "| fedavg | rounds | 3 |" in text  # the cost table
+    assert main(["frontier", str(one), str(rounds), "--out", str(tmp_path / "c"), "--x", "client_seconds"]) == 0
+    assert (tmp_path / "c" / "frontier.png").stat().st_size > 10_000

@@ -386,11 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     key.set_defaults(func=cmd_flower_key)
 
     front = sub.add_parser("frontier", help="accuracy against bytes of every method of the given runs (one panel "
-                                            "per federation): frontier.png, frontier.csv and two tables")
+                                            "per federation): frontier.png, frontier.csv and three tables")
     front.add_argument("runs", nargs="+", help="run folders, or folders of runs (e.g. a reproduce --out)")
     front.add_argument("--out", default="runs/frontier", help="folder for frontier.png and frontier.csv")
-    front.add_argument("--x", default="bytes", choices=["bytes", "rounds", "seconds"],
-                       help="x axis (default: bytes, log scale, with the Pareto front)")
+    front.add_argument("--x", default="bytes", choices=["bytes", "rounds", "seconds", "client_seconds",
+                                                        "server_seconds"],
+                       help="x axis (default: bytes, log scale, with the Pareto front); seconds: the method's, or "
+                            "its clients' (summed over clients) or its server's")
     front.set_defaults(func=cmd_frontier)
 
     part = sub.add_parser("partition", help="print partition stats and write the bubble plot")

@@ -9,7 +9,10 @@ evaluation with the best validation accuracy so far (a one-shot method: its vali
 else the last model (``final``). A method with no bytes at all (``central``) is a reference line.
 
 A point's round is the method's evaluation step (HFLDD's steps 1 and 2 are its clustering and distillation
-stages, so its training round r is step r + 2); its seconds are the method's own, cumulative.
+stages, so its training round r is step r + 2); its seconds are the method's own, cumulative, and split
+where the run recorded it into the clients' seconds (summed over the clients that worked; a one-shot
+method's shared uploads count in full for each method) and the server's (the rest: server stages,
+evaluations, checkpoints).
 
 The Pareto front of a panel is the set of points that no other point of the panel matches or beats in
 both bytes (fewer or equal) and accuracy (higher or equal), with one of the two strictly better.
@@ -28,7 +31,9 @@ MIB = 1 << 20
 TARGETS = (50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 98.0, 99.0)  # target accuracies (%), those some method reached
 BUDGETS_MIB = (1.0, 10.0, 100.0, 1000.0)
 AXES = {"bytes": "MiB exchanged (all directions, cumulative; log scale)", "rounds": "round",
-        "seconds": "seconds (the method's, cumulative)"}
+        "seconds": "seconds (the method's, cumulative)",
+        "client_seconds": "the clients' seconds (summed over clients, cumulative)",
+        "server_seconds": "the server's seconds (cumulative)"}
 
 
 @dataclass
@@ -36,11 +41,16 @@ class Point:
     bytes: int
     accuracy: float
     round: int  # 0 for a one-shot method
-    seconds: float
+    seconds: float  # clients' and server's
+    client_seconds: float | None = None  # None: the run did not record it
 
     @property
     def mib(self) -> float:
         return self.bytes / MIB
+
+    @property
+    def server_seconds(self) -> float | None:
+        return None if self.client_seconds is None else max(0.0, self.seconds - self.client_seconds)
 
 
 @dataclass
@@ -116,14 +126,21 @@ def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[
         start = float(rounds[-1]["logged_at"]) - float(result.get("seconds", 0.0))  # its seconds end at its last row
         accs = selected(rounds, use_val)
         points = [Point(int(r["bytes_up"]) + int(r["bytes_down"]) + int(r.get("bytes_peer", 0)), acc, int(r["step"]),
-                        max(0.0, float(r["logged_at"]) - start)) for r, acc in zip(rounds, accs)]
+                        max(0.0, float(r["logged_at"]) - start), _float(r.get("client_seconds")))
+                  for r, acc in zip(rounds, accs)]
         return Curve(run, method, "rounds", points)
     total = int(result.get("bytes_up", 0)) + int(result.get("bytes_down", 0)) + int(result.get("bytes_peer", 0))
     if total == 0:
         return None
     acc = result.get("val_selected_accuracy") if use_val else None
+    client, server = _float(result.get("client_seconds")), _float(result.get("server_seconds"))
+    seconds = client + server if client is not None and server is not None else float(result.get("seconds", 0.0))
     return Curve(run, method, "one-shot", [Point(total, float(acc if acc is not None else result["accuracy"]), 0,
-                                                 float(result.get("seconds", 0.0)))])
+                                                 seconds, client if server is not None else None)])
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def run_rows(folder: Path, summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -153,12 +170,14 @@ def run_curves(folder: Path, summary: dict[str, Any]) -> tuple[list[Curve], dict
 
 def front_entries(folder: Path, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per method, what a results page needs to draw it (kept in the archive): its family and points
-    ``[round, bytes, accuracy, seconds]``, or the accuracy of a method without communication."""
+    ``[round, bytes, accuracy, seconds, client seconds or None]``, or the accuracy of a method without
+    communication."""
     curves, references = run_curves(folder, summary)
     out: dict[str, dict[str, Any]] = {m: {"reference": round(a, 2)} for m, a in references.items()}
     for curve in curves:
-        out[curve.method] = {"family": curve.family, "points": [[p.round, p.bytes, round(p.accuracy, 2),
-                                                                 round(p.seconds, 1)] for p in curve.points]}
+        out[curve.method] = {"family": curve.family, "points": [
+            [p.round, p.bytes, round(p.accuracy, 2), round(p.seconds, 1),
+             None if p.client_seconds is None else round(p.client_seconds, 1)] for p in curve.points]}
     return out
 
 
@@ -169,8 +188,9 @@ def panel_from_entries(title: str, selection: str, entries: dict[str, dict[str, 
         if "reference" in entry:
             panel.references[method] = float(entry["reference"])
         else:
-            panel.curves.append(Curve(run, method, entry["family"],
-                                      [Point(int(b), float(a), int(r), float(s)) for r, b, a, s in entry["points"]]))
+            points = [[*p, None][:5] for p in entry["points"]]  # archives before the split: 4 values
+            panel.curves.append(Curve(run, method, entry["family"], [
+                Point(int(b), float(a), int(r), float(s), _float(c)) for r, b, a, s, c in points]))
     return panel
 
 
@@ -275,13 +295,14 @@ def write_csv(panels: list[Panel], path: Path) -> Path:
     with path.open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["panel", "run", "method", "family", "round", "bytes", "mib", "accuracy", "selection",
-                      "seconds", "on_front"])
+                      "seconds", "client_seconds", "server_seconds", "on_front"])
         for number, panel in enumerate(panels, 1):
             front = {(id(c), id(p)) for c, p in panel_front(panel)}
             for curve in panel.curves:
                 for p in curve.points:
                     out.writerow([number, curve.run, curve.method, curve.family, p.round, p.bytes, f"{p.mib:.4f}",
                                   f"{p.accuracy:.4f}", panel.selection, f"{p.seconds:.2f}",
+                                  *("" if v is None else f"{v:.2f}" for v in (p.client_seconds, p.server_seconds)),
                                   int((id(curve), id(p)) in front)])
     return path
 
@@ -302,6 +323,25 @@ def spread_labels(ys: list[float], gap: float, top: float = math.inf) -> list[fl
     return placed
 
 
+def x_value(point: Point, axis: str) -> float | None:
+    """The point's value on ``axis``; None where the run did not record it (the clients' seconds)."""
+    return {"bytes": point.mib, "rounds": point.round, "seconds": point.seconds,
+            "client_seconds": point.client_seconds, "server_seconds": point.server_seconds}[axis]
+
+
+def compute_table(panel: Panel) -> str:
+    """Per method, at its last point: MiB, accuracy, and minutes of the clients (summed) and the server."""
+    pick = "validation-picked" if panel.selection == "val" else "final"
+    lines = [f"Cost of each method's whole run ({pick} accuracy at its last point):", "",
+             "| method | family | rounds | MiB | accuracy % | client min | server min |", "|---" * 7 + "|"]
+    for curve in panel.curves:
+        p = curve.points[-1]
+        client, server = (f"{v / 60:,.1f}" if v is not None else "-" for v in (p.client_seconds, p.server_seconds))
+        lines.append(f"| {curve.method} | {curve.family} | {p.round or 'one shot'} | {p.mib:,.1f} | "
+                     f"{p.accuracy:.2f} | {client} | {server} |")
+    return "\n".join(lines)
+
+
 def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
     import matplotlib
 
@@ -316,11 +356,13 @@ def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
-        x_of = {"bytes": lambda p: p.mib, "rounds": lambda p: p.round, "seconds": lambda p: p.seconds}[axis]
         ends = []
         for curve in panel.curves:
             color = colors[curve.method]
-            xs, ys = [x_of(p) for p in curve.points], [p.accuracy for p in curve.points]
+            shown = [(x, p.accuracy) for p in curve.points if (x := x_value(p, axis)) is not None]
+            if not shown:
+                continue
+            xs, ys = [x for x, _ in shown], [y for _, y in shown]
             if curve.family == "one-shot":
                 ax.scatter(xs, ys, marker="D", s=30, color=color, zorder=3)
             else:
@@ -368,6 +410,6 @@ def frontier(paths: list[Path], out: Path, axis: str = "bytes") -> tuple[list[Pa
     out.mkdir(parents=True, exist_ok=True)
     plot(panels, out / "frontier.png", axis)
     write_csv(panels, out / "frontier.csv")
-    text = "\n\n".join(f"### {panel.title}\n\nRuns: {', '.join(panel.runs)}\n\n{markdown_tables(panel)}"
-                       for panel in panels)
+    text = "\n\n".join(f"### {panel.title}\n\nRuns: {', '.join(panel.runs)}\n\n{markdown_tables(panel)}\n\n"
+                       f"{compute_table(panel)}" for panel in panels)
     return panels, left_out, text

@@ -182,10 +182,14 @@ class Simulator:
         def exchange(step: int, messages: dict[int, Payload], *, relay: dict[int, int] | None = None,
                      desc: str = "", cacheable: bool = False) -> tuple[dict[int, Payload], dict[int, str]]:
             addressed.setdefault(step, set()).update(messages)
-            if not one_shot:
-                return self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=cacheable,
-                                             relay=relay, desc=desc or f"{method.name}: round {step}")
-            return self._one_shot_exchange(method, ctx, messages, ledger, relay)
+            if one_shot:
+                return self._one_shot_exchange(method, ctx, messages, ledger, relay)
+            timing: dict[int, float] = {}
+            replies = self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=cacheable,
+                                            timing=timing, relay=relay, desc=desc or f"{method.name}: round {step}")
+            if timing:  # the clients' own seconds, summed (a remote transport reports none)
+                ctx.record["client_seconds"] = ctx.record.get("client_seconds", 0.0) + sum(timing.values())
+            return replies
 
         def client_info() -> dict[str, list]:
             info = (self.clients.transport.client_info() if self.clients.transport is not None
@@ -218,6 +222,8 @@ class Simulator:
                     if val is not None:
                         vals[key] = val
                 row: dict[str, Any] = {"accuracy": accs[head], "clients": sorted(addressed.get(round_, ()))}
+                if "client_seconds" in ctx.record:  # cumulative, as the bytes
+                    row["client_seconds"] = round(ctx.record["client_seconds"], 3)
                 if vals:
                     row["val_accuracy"] = vals[head]
                 if len(models) > 1:
@@ -406,6 +412,8 @@ class Simulator:
         seconds = end - start + prior
         if isinstance(method, OneShotMethod):
             ctx.record["server_seconds"] = end - ctx.record.pop("_server_start", start) + prior
+        elif "client_seconds" in ctx.record:  # the rest: server stages, evaluations, checkpoints
+            ctx.record["server_seconds"] = max(0.0, seconds - ctx.record["client_seconds"])
         reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}
         head = next(iter(models))
         final = reports[head]

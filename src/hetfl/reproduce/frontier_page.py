@@ -1,6 +1,7 @@
 """The results page of ``hetfl reproduce frontier`` (a paper YAML with ``report: frontier``): per budget and
 dataset, one figure of accuracy against bytes with a panel per setting, the two tables of
-:mod:`hetfl.frontier` per setting, then the hand-written ``papers/<name>-differ.md`` ("What the frontier
+:mod:`hetfl.frontier` per setting; per budget, the minutes of every method's clients and server in each
+cell; then the hand-written ``papers/<name>-differ.md`` ("What the frontier
 shows"). Built from the archived cells' per-method points (``front`` in ``<page>-runs.json``) and the finished
 cells of the runs folder, so ``--report-only`` regenerates it byte for byte."""
 
@@ -25,7 +26,9 @@ def setting_title(partition: dict[str, Any]) -> str:
 
 
 def cell_panel(paper: Paper, cell: dict[str, Any], title: str) -> Panel:
-    entries = {paper.label(label): r["front"] for label, r in cell["results"].items() if "front" in r}
+    results = cell["results"]  # in the YAML's order of methods, wherever the cell was read from
+    entries = {paper.label(label): results[label]["front"] for label in paper.methods
+               if "front" in results.get(label, {})}
     selection = "val" if float(paper.config.get("validation") or 0.0) > 0 else "final"
     return panel_from_entries(title, selection, entries)
 
@@ -37,6 +40,7 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str, results: Pa
         return []
     minutes = [c["minutes"] for c in runs.values() if c.get("minutes")]
     machines = sorted({c["machine"] for c in runs.values()})
+    costs: list[tuple[str, Panel]] = []
     lines = [f"## Budget `{budget}`", "", f"{paper.budgets[budget]['about']}. {len(runs)} cells; minutes per cell "
              + (f"{statistics.fmean(minutes):.1f} (range {min(minutes):.1f}-{max(minutes):.1f})" if minutes else "-")
              + f"; on {'; '.join(machines)}.", ""]
@@ -49,12 +53,33 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str, results: Pa
         panels = [p for p in panels if p.curves]
         if not panels:
             continue
+        costs += [(f"{name} {setting_title(paper.settings[k[1]])}", p) for k, p in zip(keys, panels)]
         figure = results.with_name(f"{paper.name}-{budget}-{dataset}.png")
         plot(panels, figure)
         lines += [f"### {name}", "", f"![accuracy against MiB, {name}]({figure.name})", ""]
         for panel in panels:
             lines += [f"#### {panel.title}", "", markdown_tables(panel), ""]
-    return lines
+    return lines + cost_table(costs)
+
+
+def cost_table(costs: list[tuple[str, Panel]]) -> list[str]:
+    """Per method and cell, at its last point: minutes of its clients (summed over clients; the one-shot
+    methods' shared upload counted for each) / of its server."""
+    if not costs:
+        return []
+    methods = list(dict.fromkeys(c.method for _, panel in costs for c in panel.curves))
+    lines = ["### Compute per method", "", "Minutes of the clients (summed over the clients that trained; the "
+             "one-shot methods share one upload, counted for each) / of the server (its stages, evaluations "
+             "and checkpoints), over the whole run.", "",
+             "| method | " + " | ".join(title for title, _ in costs) + " |", "|---" * (len(costs) + 1) + "|"]
+    for method in methods:
+        cells = []
+        for _, panel in costs:
+            point = next((c.points[-1] for c in panel.curves if c.method == method), None)
+            cells.append("-" if point is None or point.client_seconds is None else
+                         f"{point.client_seconds / 60:,.1f} / {point.server_seconds / 60:,.1f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def write_frontier_page(paper: Paper, root: Path, results: Path, archive: Path) -> None:
