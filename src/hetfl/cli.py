@@ -181,7 +181,7 @@ def cmd_flower_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_frontier(args: argparse.Namespace) -> int:
-    """Accuracy against bytes for every method of the runs, per federation: figure, CSV and two tables."""
+    """Accuracy against bytes for every method of the runs, per federation: figure, CSV and three tables."""
     from hetfl.frontier import frontier
 
     out = out_folder(args.out)
