@@ -329,6 +329,12 @@ def x_value(point: Point, axis: str) -> float | None:
             "client_seconds": point.client_seconds, "server_seconds": point.server_seconds}[axis]
 
 
+def minutes(point: Point) -> tuple[str, str]:
+    """The point's minutes of the clients and of the server, ``-`` where the run did not record them."""
+    return tuple(f"{v / 60:,.1f}" if v is not None else "-"  # type: ignore[return-value]
+                 for v in (point.client_seconds, point.server_seconds))
+
+
 def compute_table(panel: Panel) -> str:
     """Per method, at its last point: MiB, accuracy, and minutes of the clients (summed) and the server."""
     pick = "validation-picked" if panel.selection == "val" else "final"
@@ -336,7 +342,7 @@ def compute_table(panel: Panel) -> str:
              "| method | family | rounds | MiB | accuracy % | client min | server min |", "|---" * 7 + "|"]
     for curve in panel.curves:
         p = curve.points[-1]
-        client, server = (f"{v / 60:,.1f}" if v is not None else "-" for v in (p.client_seconds, p.server_seconds))
+        client, server = minutes(p)
         lines.append(f"| {curve.method} | {curve.family} | {p.round or 'one shot'} | {p.mib:,.1f} | "
                      f"{p.accuracy:.2f} | {client} | {server} |")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hetfl.frontier import Panel, markdown_tables, panel_from_entries, plot
+from hetfl.frontier import Panel, markdown_tables, minutes, panel_from_entries, plot
 from hetfl.reproduce.paper import Paper, cell_name
 from hetfl.reproduce.report import ARCHIVE_SUFFIX, MAX_SEEDS, load_cells, protocol_optimiser
 
@@ -38,22 +38,24 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str, results: Pa
             if (n := cell_name(paper, d, s, seed, budget)) in cells}
     if not runs:
         return []
-    minutes = [c["minutes"] for c in runs.values() if c.get("minutes")]
+    spent = [c["minutes"] for c in runs.values() if c.get("minutes")]
     machines = sorted({c["machine"] for c in runs.values()})
     costs: list[tuple[str, Panel]] = []
     lines = [f"## Budget `{budget}`", "", f"{paper.budgets[budget]['about']}. {len(runs)} cells; minutes per cell "
-             + (f"{statistics.fmean(minutes):.1f} (range {min(minutes):.1f}-{max(minutes):.1f})" if minutes else "-")
+             + (f"{statistics.fmean(spent):.1f} (range {min(spent):.1f}-{max(spent):.1f})" if spent else "-")
              + f"; on {'; '.join(machines)}.", ""]
     for dataset, name in paper.datasets.items():
         keys = [k for k in runs if k[0] == dataset]
         if not keys:
             continue
-        panels = [cell_panel(paper, runs[k], f"{name}, {setting_title(paper.settings[k[1]])}, seed {k[2]}")
+        titled = [(f"{name} {setting_title(paper.settings[k[1]])}",
+                   cell_panel(paper, runs[k], f"{name}, {setting_title(paper.settings[k[1]])}, seed {k[2]}"))
                   for k in keys]
-        panels = [p for p in panels if p.curves]
-        if not panels:
+        titled = [(title, panel) for title, panel in titled if panel.curves]
+        if not titled:
             continue
-        costs += [(f"{name} {setting_title(paper.settings[k[1]])}", p) for k, p in zip(keys, panels)]
+        costs += titled
+        panels = [panel for _, panel in titled]
         figure = results.with_name(f"{paper.name}-{budget}-{dataset}.png")
         plot(panels, figure)
         lines += [f"### {name}", "", f"![accuracy against MiB, {name}]({figure.name})", ""]
@@ -76,8 +78,7 @@ def cost_table(costs: list[tuple[str, Panel]]) -> list[str]:
         cells = []
         for _, panel in costs:
             point = next((c.points[-1] for c in panel.curves if c.method == method), None)
-            cells.append("-" if point is None or point.client_seconds is None else
-                         f"{point.client_seconds / 60:,.1f} / {point.server_seconds / 60:,.1f}")
+            cells.append("-" if point is None else " / ".join(minutes(point)))
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines + [""]
 
