@@ -93,9 +93,10 @@ def test_frontier_of_a_one_shot_and_a_multi_round_run(tmp_path: Path, capsys) ->
     # the clients' seconds: cumulative per round, the summary's at the end; the server's are the rest
     client = [float(r["client_seconds"]) for r in first[1:]]
     assert 0 < client[0] <= client[1] <= client[2] and abs(client[-1] - summary["client_seconds"]) < 0.01
-    assert abs(summary["server_seconds"] - (summary["seconds"] - summary["client_seconds"])) < 1e-9
-    assert all(abs(float(r["client_seconds"]) + float(r["server_seconds"]) - float(r["seconds"])) < 0.02
-               for r in first)
+    assert abs(summary["server_seconds"] - (summary["seconds"] - summary["exchange_seconds"])) < 1e-9
+    assert summary["exchange_seconds"] >= summary["client_seconds"]  # the exchanges' wall time holds the clients'
+    assert all(abs(float(r["client_seconds"]) + float(r["server_seconds"]) - float(r["seconds"])) < 0.5
+               for r in first)  # apart from the exchanges' own bookkeeping
     shot = json.loads((one / "summary.json").read_text())["results"]["ensemble"]
     assert abs(float(first[0]["client_seconds"]) - shot["client_seconds"]) < 0.01
     assert "| ensemble | one-shot | one shot |" in text and "| fedavg | rounds | 3 |" in text  # the cost table

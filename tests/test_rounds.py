@@ -74,7 +74,7 @@ def assert_interrupted_run_resumes(cfg: dict, label: str, cls: type, at: int, fo
     assert models
     for path in models:
         assert same_weights(load_file(str(path)), load_file(str(folder / "cut" / label / path.name))), path.name
-    rows = [[{k: v for k, v in json.loads(r).items() if k not in ("logged_at", "client_seconds")}
+    rows = [[{k: v for k, v in json.loads(r).items() if k not in ("logged_at", "client_seconds", "server_seconds")}
              for r in (folder / d / label / "metrics.jsonl").read_text().splitlines()] for d in ("full", "cut")]
     assert rows[0] == rows[1]
     assert resumed["accuracy"] == full["accuracy"] and resumed["tensor_bytes"] == full["tensor_bytes"]
@@ -324,7 +324,7 @@ def _scripted_rejection(monkeypatch: pytest.MonkeyPatch) -> int:
 
 def _outcome(folder: Path, label: str) -> tuple:
     summary = json.loads((folder / "summary.json").read_text())["results"][label]
-    rows = [{k: v for k, v in json.loads(r).items() if k not in ("logged_at", "client_seconds")}
+    rows = [{k: v for k, v in json.loads(r).items() if k not in ("logged_at", "client_seconds", "server_seconds")}
             for r in (folder / label / "metrics.jsonl").read_text().splitlines()]
     comm = json.loads((folder / label / "communication.json").read_text())
     return (weights(folder, label), rows, comm, summary.get("client_failures"), summary["accuracy"],

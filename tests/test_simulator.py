@@ -236,7 +236,8 @@ def test_resume_continues_from_the_checkpoint(tmp_path, tiny_config, monkeypatch
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, -1]
     client = [json.loads(r)["client_seconds"] for r in rows[:3]]  # cumulative across the resume
     assert 0 < client[0] <= client[1] <= client[2] == round(resumed["client_seconds"], 3)
-    assert resumed["server_seconds"] == max(0.0, resumed["seconds"] - resumed["client_seconds"])
+    assert resumed["server_seconds"] == max(0.0, resumed["seconds"] - resumed["exchange_seconds"])
+    assert resumed["exchange_seconds"] >= resumed["client_seconds"]
 
 
 def test_cli_run_partition_and_errors(tmp_path, tiny_config, capsys):

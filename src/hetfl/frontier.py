@@ -43,6 +43,7 @@ class Point:
     round: int  # 0 for a one-shot method
     seconds: float  # clients' and server's
     client_seconds: float | None = None  # None: the run did not record it
+    server: float | None = None  # the server's seconds where recorded (a cached client reply costs it none)
 
     @property
     def mib(self) -> float:
@@ -50,6 +51,8 @@ class Point:
 
     @property
     def server_seconds(self) -> float | None:
+        if self.server is not None:
+            return self.server
         return None if self.client_seconds is None else max(0.0, self.seconds - self.client_seconds)
 
 
@@ -126,8 +129,8 @@ def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[
         start = float(rounds[-1]["logged_at"]) - float(result.get("seconds", 0.0))  # its seconds end at its last row
         accs = selected(rounds, use_val)
         points = [Point(int(r["bytes_up"]) + int(r["bytes_down"]) + int(r.get("bytes_peer", 0)), acc, int(r["step"]),
-                        max(0.0, float(r["logged_at"]) - start), _float(r.get("client_seconds")))
-                  for r, acc in zip(rounds, accs)]
+                        max(0.0, float(r["logged_at"]) - start), _float(r.get("client_seconds")),
+                        _float(r.get("server_seconds"))) for r, acc in zip(rounds, accs)]
         return Curve(run, method, "rounds", points)
     total = int(result.get("bytes_up", 0)) + int(result.get("bytes_down", 0)) + int(result.get("bytes_peer", 0))
     if total == 0:
@@ -136,7 +139,7 @@ def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[
     client, server = _float(result.get("client_seconds")), _float(result.get("server_seconds"))
     seconds = client + server if client is not None and server is not None else float(result.get("seconds", 0.0))
     return Curve(run, method, "one-shot", [Point(total, float(acc if acc is not None else result["accuracy"]), 0,
-                                                 seconds, client if server is not None else None)])
+                                                 seconds, client if server is not None else None, server)])
 
 
 def _float(value: Any) -> float | None:
@@ -170,14 +173,14 @@ def run_curves(folder: Path, summary: dict[str, Any]) -> tuple[list[Curve], dict
 
 def front_entries(folder: Path, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per method, what a results page needs to draw it (kept in the archive): its family and points
-    ``[round, bytes, accuracy, seconds, client seconds or None]``, or the accuracy of a method without
-    communication."""
+    ``[round, bytes, accuracy, seconds, client seconds, server seconds]`` (None where not recorded), or the
+    accuracy of a method without communication."""
     curves, references = run_curves(folder, summary)
     out: dict[str, dict[str, Any]] = {m: {"reference": round(a, 2)} for m, a in references.items()}
     for curve in curves:
         out[curve.method] = {"family": curve.family, "points": [
             [p.round, p.bytes, round(p.accuracy, 2), round(p.seconds, 1),
-             None if p.client_seconds is None else round(p.client_seconds, 1)] for p in curve.points]}
+             *(None if v is None else round(v, 1) for v in (p.client_seconds, p.server))] for p in curve.points]}
     return out
 
 
@@ -188,9 +191,9 @@ def panel_from_entries(title: str, selection: str, entries: dict[str, dict[str, 
         if "reference" in entry:
             panel.references[method] = float(entry["reference"])
         else:
-            points = [[*p, None][:5] for p in entry["points"]]  # archives before the split: 4 values
+            points = [[*p, None, None][:6] for p in entry["points"]]  # archives before the split: 4 values
             panel.curves.append(Curve(run, method, entry["family"], [
-                Point(int(b), float(a), int(r), float(s), _float(c)) for r, b, a, s, c in points]))
+                Point(int(b), float(a), int(r), float(s), _float(c), _float(v)) for r, b, a, s, c, v in points]))
     return panel
 
 

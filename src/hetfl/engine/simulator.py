@@ -185,10 +185,13 @@ class Simulator:
             if one_shot:
                 return self._one_shot_exchange(method, ctx, messages, ledger, relay)
             timing: dict[int, float] = {}
+            began = time.perf_counter()
             replies = self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=cacheable,
                                             timing=timing, relay=relay, desc=desc or f"{method.name}: round {step}")
-            if timing:  # the clients' own seconds, summed (a remote transport reports none)
+            if timing:  # the clients' own seconds, summed (a remote transport reports none); a cached reply
+                # counts the seconds it took when trained, so the server's are the wall time outside exchanges
                 ctx.record["client_seconds"] = ctx.record.get("client_seconds", 0.0) + sum(timing.values())
+                ctx.record["exchange_seconds"] = ctx.record.get("exchange_seconds", 0.0) + time.perf_counter() - began
             return replies
 
         def client_info() -> dict[str, list]:
@@ -223,7 +226,9 @@ class Simulator:
                         vals[key] = val
                 row: dict[str, Any] = {"accuracy": accs[head], "clients": sorted(addressed.get(round_, ()))}
                 if "client_seconds" in ctx.record:  # cumulative, as the bytes
+                    wall = time.perf_counter() - clock["start"]
                     row["client_seconds"] = round(ctx.record["client_seconds"], 3)
+                    row["server_seconds"] = round(max(0.0, wall - ctx.record["exchange_seconds"]), 3)
                 if vals:
                     row["val_accuracy"] = vals[head]
                 if len(models) > 1:
@@ -412,8 +417,8 @@ class Simulator:
         seconds = end - start + prior
         if isinstance(method, OneShotMethod):
             ctx.record["server_seconds"] = end - ctx.record.pop("_server_start", start) + prior
-        elif "client_seconds" in ctx.record:  # the rest: server stages, evaluations, checkpoints
-            ctx.record["server_seconds"] = max(0.0, seconds - ctx.record["client_seconds"])
+        elif "exchange_seconds" in ctx.record:  # the rest: server stages, evaluations, checkpoints
+            ctx.record["server_seconds"] = max(0.0, seconds - ctx.record["exchange_seconds"])
         reports = {key: ctx.evaluate(model, track=False) for key, model in models.items()}
         head = next(iter(models))
         final = reports[head]
