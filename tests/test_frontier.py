@@ -10,7 +10,17 @@ from pathlib import Path
 
 from hetfl.cli import main
 from hetfl.engine.simulator import Simulator, prepare
-from hetfl.frontier import Curve, Panel, Point, budgets_table, panel_front, pareto, targets_table
+from hetfl.frontier import (
+    Curve,
+    Panel,
+    Point,
+    budgets_table,
+    one_shot_overtaken,
+    overtaken_line,
+    panel_front,
+    pareto,
+    targets_table,
+)
 from hetfl.methods.checks import validate
 
 
@@ -51,6 +61,30 @@ def test_tables_pick_the_cheapest_method_per_target_and_the_best_per_budget() ->
     assert [(c.method, p.round) for c, p in panel_front(panel)] == [("rounds", 1), ("rounds", 2), ("oneshot", 0),
                                                                     ("rounds", 3)]
 
+
+
+def test_round_methods_meet_the_best_one_shot_point_within_its_bytes_and_above_it() -> None:
+    mib = 1 << 20
+    shots = [Curve("r", "weak", "one-shot", [Point(1 * mib, 50.0, 0, 1.0)]),
+             Curve("r", "oneshot", "one-shot", [Point(5 * mib, 62.0, 0, 10.0)]),
+             Curve("r", "costly", "one-shot", [Point(9 * mib, 62.0, 0, 10.0)])]  # as good, more MiB
+    rounds = Curve("r", "rounds", "rounds", [Point(2 * mib, 40.0, 1, 1.0), Point(4 * mib, 55.0, 2, 2.0),
+                                             Point(5 * mib, 62.0, 3, 3.0), Point(50 * mib, 91.0, 4, 4.0)])
+    meet = one_shot_overtaken(Panel(("k",), "t", "final", curves=[*shots, rounds]))
+    assert meet["one_shot"][0].method == "oneshot"
+    assert meet["within"][1].round == 3 and meet["above"][1].round == 4  # equal accuracy does not pass it
+    assert overtaken_line(Panel(("k",), "t", "final", curves=[*shots, rounds])) == (
+        "Best one-shot model: oneshot, 62.00 % at 5.0 MiB. Within those MiB the best round method reaches "
+        "62.00 % (rounds, round 3); the first to pass it is rounds at round 4 (50.0 MiB, 91.00 %).")
+    late = Curve("r", "late", "rounds", [Point(6 * mib, 30.0, 1, 1.0)])
+    assert overtaken_line(Panel(("k",), "t", "final", curves=[*shots, late])) == (
+        "Best one-shot model: oneshot, 62.00 % at 5.0 MiB. No round method fits in those MiB; none passes it.")
+    early = Curve("r", "early", "rounds", [Point(2 * mib, 70.0, 2, 1.0)])
+    assert overtaken_line(Panel(("k",), "t", "final", curves=[*shots, early])) == (
+        "Best one-shot model: oneshot, 62.00 % at 5.0 MiB. A round method passes it within those MiB: early at "
+        "round 2 (2.0 MiB, 70.00 %).")
+    assert one_shot_overtaken(Panel(("k",), "t", "final", curves=[late])) is None
+    assert overtaken_line(Panel(("k",), "t", "final", curves=shots)) == ""
 
 FED = {
     "seed": 0, "dataset": "synthetic", "validation": 0.2,

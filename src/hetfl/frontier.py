@@ -273,6 +273,40 @@ def budgets_table(panel: Panel) -> list[dict[str, Any]]:
     return out
 
 
+def one_shot_overtaken(panel: Panel) -> dict[str, Any] | None:
+    """Where the round methods (multi-round and hybrid) meet the one-shot ones: the best one-shot point (the
+    cheapest of equal accuracy), the best round point within its bytes, and the cheapest round point above
+    it. None unless the panel has both families."""
+    shots = [(c, p) for c in panel.curves if c.family == "one-shot" for p in c.points]
+    rounds = [(c, p) for c in panel.curves if c.family != "one-shot" for p in c.points]
+    if not shots or not rounds:
+        return None
+    shot = max(shots, key=lambda x: (x[1].accuracy, -x[1].bytes))
+    within = [x for x in rounds if x[1].bytes <= shot[1].bytes]
+    above = [x for x in rounds if x[1].accuracy > shot[1].accuracy]
+    return {"one_shot": shot,
+            "within": max(within, key=lambda x: (x[1].accuracy, -x[1].bytes)) if within else None,
+            "above": min(above, key=lambda x: (x[1].bytes, -x[1].accuracy)) if above else None}
+
+
+def overtaken_line(panel: Panel) -> str:
+    """:func:`one_shot_overtaken` in a sentence ('' where the panel lacks a family)."""
+    meet = one_shot_overtaken(panel)
+    if meet is None:
+        return ""
+    (curve, shot), within, above = meet["one_shot"], meet["within"], meet["above"]
+    text = f"Best one-shot model: {curve.method}, {shot.accuracy:.2f} % at {shot.mib:,.1f} MiB. "
+    if above is not None and above[1].bytes <= shot.bytes:
+        return text + (f"A round method passes it within those MiB: {above[0].method} at round {above[1].round} "
+                       f"({above[1].mib:,.1f} MiB, {above[1].accuracy:.2f} %).")
+    text += ("No round method fits in those MiB" if within is None else
+             f"Within those MiB the best round method reaches {within[1].accuracy:.2f} % "
+             f"({within[0].method}, round {within[1].round})")
+    return text + ("; none passes it." if above is None else
+                   f"; the first to pass it is {above[0].method} at round {above[1].round} "
+                   f"({above[1].mib:,.1f} MiB, {above[1].accuracy:.2f} %).")
+
+
 def markdown_tables(panel: Panel) -> str:
     pick = "validation-picked" if panel.selection == "val" else "final"
     lines = [f"Cheapest method to each target accuracy ({pick} models):", "",
@@ -288,6 +322,8 @@ def markdown_tables(panel: Panel) -> str:
         else:
             lines.append(f"| {row['budget_mib']:,.0f} MiB | {row['accuracy']:.2f} | {row['method']} | "
                          f"{row['round'] or 'one shot'} | {row['mib']:,.1f} |")
+    if line := overtaken_line(panel):
+        lines += ["", line]
     if panel.references:
         lines += ["", "Without communication (reference): " + ", ".join(
             f"{m} {a:.2f} %" for m, a in sorted(panel.references.items()))]
