@@ -346,22 +346,6 @@ def write_csv(panels: list[Panel], path: Path) -> Path:
     return path
 
 
-def spread_labels(ys: list[float], gap: float, top: float = math.inf) -> list[float]:
-    """Label heights at least ``gap`` apart and at most ``top``, each as near its own height as the order
-    allows: pushed up from below, then down from ``top``."""
-    order = sorted(range(len(ys)), key=lambda i: ys[i])
-    placed = [0.0] * len(ys)
-    last = -math.inf
-    for i in order:
-        placed[i] = max(ys[i], last + gap)
-        last = placed[i]
-    ceiling = top
-    for i in reversed(order):
-        placed[i] = min(placed[i], ceiling)
-        ceiling = placed[i] - gap
-    return placed
-
-
 def x_value(point: Point, axis: str) -> float | None:
     """The point's value on ``axis``; None where the run did not record it (the clients' seconds)."""
     return {"bytes": point.mib, "rounds": point.round, "seconds": point.seconds,
@@ -388,57 +372,59 @@ def compute_table(panel: Panel) -> str:
 
 
 def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
+    """One panel per setting; a method keeps its colour in every panel (one-shot methods diamonds, round
+    methods lines, each family in its own colours), named in one legend beside the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     from hetfl.report import save_figure
 
-    methods = sorted({c.method for panel in panels for c in panel.curves})
-    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # a method keeps its colour in every panel
-    cols = min(2, len(panels))
+    curves = {c.method: c.family for panel in panels for c in panel.curves}  # first seen: the runs' order
+    palette = plt.get_cmap("tab10").colors  # colours repeat across families, told apart by marker and line
+    colors = {m: palette[[k for k, f in curves.items() if f == family].index(m) % len(palette)]
+              for m, family in curves.items()}
+    cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.6, 4.0 * rows), squeeze=False, layout="constrained")
     for ax, panel in zip(axes.flat, panels):
-        ends = []
         for curve in panel.curves:
-            color = colors[curve.method]
             shown = [(x, p.accuracy) for p in curve.points if (x := x_value(p, axis)) is not None]
             if not shown:
                 continue
             xs, ys = [x for x, _ in shown], [y for _, y in shown]
             if curve.family == "one-shot":
-                ax.scatter(xs, ys, marker="D", s=30, color=color, zorder=3)
+                ax.scatter(xs, ys, marker="D", s=34, color=colors[curve.method], edgecolors="black",
+                           linewidths=0.5, zorder=3)
             else:
-                ax.plot(xs, ys, color=color, lw=1.2, marker=".", ms=3)
-            ends.append((xs[-1], ys[-1], curve.method, color))
+                ax.plot(xs, ys, color=colors[curve.method], lw=1.2, marker=".", ms=3)
         if axis == "bytes":
             front = sorted(((p.mib, p.accuracy) for _, p in panel_front(panel)))
             if front:
-                ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", lw=2.2, alpha=0.35,
-                        label="Pareto front", zorder=1)
+                ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", lw=2.2, alpha=0.3,
+                        zorder=1)
             ax.set_xscale("log")
         for method, acc in sorted(panel.references.items()):
             ax.axhline(acc, color="grey", ls=":", lw=1)
             ax.annotate(f"{method} (no communication)", (0.01, acc), xycoords=("axes fraction", "data"),
                         fontsize=6, color="grey", va="bottom")
-        lo, hi = ax.get_ylim()
-        heights = spread_labels([e[1] for e in ends], gap=(hi - lo) * 0.045, top=hi - (hi - lo) * 0.02)
-        for (x, _, method, color), y in zip(ends, heights):
-            ax.annotate(method, (x, y), xytext=(4, 0), textcoords="offset points", fontsize=7, color=color,
-                        va="center")
         ax.set_xlabel(AXES[axis], fontsize=8)
         ax.set_ylabel(f"test accuracy % ({'validation-picked' if panel.selection == 'val' else 'final'} model)",
                       fontsize=8)
         ax.set_title(panel.title, fontsize=9)
         ax.grid(alpha=0.3, which="both")
-        if axis == "bytes" and panel.curves:
-            ax.legend(fontsize=7, loc="lower right")
-            left, right = ax.get_xlim()
-            ax.set_xlim(left, right * 3)  # room for the labels at the curves' ends
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
+    handles = [Line2D([], [], color=colors[m], marker="D", ls="", markeredgecolor="black", markeredgewidth=0.5)
+               if family == "one-shot" else Line2D([], [], color=colors[m], marker=".", lw=1.2)
+               for m, family in curves.items()]
+    labels = [f"{m} (one shot)" if family == "one-shot" and "one shot" not in m else m for m, family in curves.items()]
+    if axis == "bytes":
+        handles.append(Line2D([], [], color="black", lw=2.2, alpha=0.3))
+        labels.append("Pareto front")
+    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False)
     return save_figure(fig, path)
 
 
