@@ -114,6 +114,7 @@ def test_a_strict_claim_fails_on_a_tie_and_a_plain_one_holds():
     assert _holds(paper, cells, "fmnist", "ablation", claim) == "-"
 
 
+@pytest.mark.slow
 def test_hfldd_smoke_budget_runs_every_method(tmp_path):
     page = tmp_path / "page" / "hfldd.md"
     assert main(["reproduce", "hfldd", "--budget", "smoke", "--out", str(tmp_path / "runs"), "--results", str(page),
