@@ -27,14 +27,6 @@ else:
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked slow first, each file's in its order: under pytest-xdist a minute-long test that a
-    worker picks up last is the suite's tail, while the other worker idles."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 REPO = Path(__file__).resolve().parents[1]
 DATA_ROOT = REPO / "data"
 
