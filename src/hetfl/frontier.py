@@ -383,9 +383,11 @@ def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
     from hetfl.report import save_figure
 
     curves = {c.method: c.family for panel in panels for c in panel.curves}  # first seen: the runs' order
+    families: dict[str, list[str]] = {}
+    for method, family in curves.items():
+        families.setdefault(family, []).append(method)
     palette = plt.get_cmap("tab10").colors  # colours repeat across families, told apart by marker and line
-    colors = {m: palette[[k for k, f in curves.items() if f == family].index(m) % len(palette)]
-              for m, family in curves.items()}
+    colors = {m: palette[i % len(palette)] for methods in families.values() for i, m in enumerate(methods)}
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.6, 4.0 * rows), squeeze=False, layout="constrained")
