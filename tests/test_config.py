@@ -26,6 +26,15 @@ def test_set_overrides_any_key_with_yaml_types(tmp_path, tiny_config):
     assert client_archs(cfg) == ["cnn2", "lenet5", "cnn2"]
 
 
+def test_exponent_floats_without_a_dot_are_numbers_in_files_and_overrides(tmp_path, tiny_config):
+    path = tmp_path / "c.yaml"  # PyYAML alone reads `1e-5` as a string (YAML 1.1 wants `1.0e-5`)
+    path.write_text(yaml.safe_dump({k: v for k, v in tiny_config.items() if k != "client"})
+                    + "client: {model: cnn2, weight_decay: 1e-5}\n")
+    cfg = load_config(path, ["client.lr=5E-3"])
+    assert cfg["client"]["weight_decay"] == 1e-5 and cfg["client"]["lr"] == 5e-3
+    assert load_config(path, ["name=1e5x"])["name"] == "1e5x"  # not a number: stays a string
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -108,7 +108,7 @@ def test_frontier_of_a_one_shot_and_a_multi_round_run(tmp_path: Path, capsys) ->
     out = tmp_path / "front"
     assert main(["frontier", str(one), str(rounds), str(other), str(again), "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "Cheapest method to each target accuracy (validation-picked models)" in text
+    assert "| target accuracy (validation-picked) | cheapest method |" in text
     assert "| 1,000 MiB |" in text and "2 panels" in text
     assert f"left out: {again}: ensemble already comes from another run of the same federation" in text
     assert (out / "frontier.png").stat().st_size > 10_000

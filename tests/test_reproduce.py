@@ -380,7 +380,7 @@ def test_the_frontier_smoke_grid_draws_every_method_on_bytes_and_regenerates_fro
     assert main([*runs, "--save"]) == 0
     text = page.read_text()
     assert "#### Synthetic (the smoke budget), Dirichlet(0.5), seed 0" in text
-    assert "Best accuracy within each byte budget (validation-picked models)" in text
+    assert "| byte budget | best accuracy % (validation-picked) |" in text
     assert (tmp_path / "page" / "frontier-smoke-synthetic.png").is_file()
     archived = json.loads((tmp_path / "page" / "frontier-runs.json").read_text())["frontier-synthetic-0.5-s0-smoke"]
     fronts = {label: r["front"] for label, r in archived["results"].items()}

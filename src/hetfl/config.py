@@ -62,9 +62,29 @@ SERVER_KEYS = {"model"}
 REQUIRED = ("dataset", "partition", "clients", "methods")
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e-5`` and ``3E4`` are numbers, not strings
+    (YAML 1.1, which PyYAML follows, wants a dot: ``1.0e-5``)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML text as every hetfl config is read (safe; ``1e-5`` is a float)."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - YamlLoader is a SafeLoader
+
+
 def parse_value(text: str) -> Any:
-    """``--set`` values are YAML scalars/lists: ``2`` -> int, ``0.1`` -> float, ``[a, b]`` -> list."""
-    return yaml.safe_load(text)
+    """``--set`` values are YAML scalars/lists: ``2`` -> int, ``0.1`` or ``1e-5`` -> float, ``[a, b]`` -> list."""
+    return load_yaml(text)
 
 
 def apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -207,7 +227,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[st
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     return validate(apply_overrides(raw or {}, overrides or []))

@@ -309,13 +309,11 @@ def overtaken_line(panel: Panel) -> str:
 
 def markdown_tables(panel: Panel) -> str:
     pick = "validation-picked" if panel.selection == "val" else "final"
-    lines = [f"Cheapest method to each target accuracy ({pick} models):", "",
-             "| target | method | MiB | rounds | seconds |", "|---|---|---|---|---|"]
+    lines = [f"| target accuracy ({pick}) | cheapest method | MiB | rounds | seconds |", "|---|---|---|---|---|"]
     for row in targets_table(panel):
         lines.append(f"| {row['target']:.0f} % | {row['method']} | {row['mib']:,.1f} | "
                      f"{row['round'] or 'one shot'} | {row['seconds']:,.0f} |")
-    lines += ["", f"Best accuracy within each byte budget ({pick} models):", "",
-              "| budget | accuracy % | method | rounds | MiB |", "|---|---|---|---|---|"]
+    lines += ["", f"| byte budget | best accuracy % ({pick}) | method | rounds | MiB |", "|---|---|---|---|---|"]
     for row in budgets_table(panel):
         if row["method"] is None:
             lines.append(f"| {row['budget_mib']:,.0f} MiB | - | no method fits | - | - |")

@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from hetfl.config import ConfigError
+from hetfl.config import ConfigError, load_yaml
 
 PAPERS = Path(__file__).with_name("papers")
 KEYS = {"title", "source", "cell_name", "metric", "ours", "paper_method", "baselines", "datasets", "settings", "seeds",
@@ -65,7 +63,7 @@ def load_paper(name: str) -> Paper:
     path = PAPERS / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown paper {name!r}; choose one of: {', '.join(paper_names())}")
-    spec = yaml.safe_load(path.read_text())
+    spec = load_yaml(path.read_text())
     unknown = sorted(set(spec) - KEYS)
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {unknown}; valid: {', '.join(sorted(KEYS))}")
