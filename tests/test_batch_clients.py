@@ -14,7 +14,7 @@ from hetfl.data.base import ImageDataset
 from hetfl.engine.simulator import Simulator, config_hash, prepare
 from hetfl.fl.client import ClientEnv, group_key, handle, handle_group, train_message
 from hetfl.fl.train_config import TrainConfig
-from hetfl.fl.training import clip_per_client, local_train, local_train_group
+from hetfl.fl.training import clip_per_client, counting_sample_passes, local_train, local_train_group
 from hetfl.methods.checks import validate
 from hetfl.models import build_model
 
@@ -43,10 +43,15 @@ def test_group_training_equals_one_client_at_a_time(synthetic_small, arch, sizes
     # between two one-client runs that differ only in memory layout
     cfg = TrainConfig(epochs=2, batch_size=16, lr=0.01, momentum=0.9, weight_decay=1e-4, channels_last=False)
     alone, grouped = fresh(arch, 3), fresh(arch, 3)
-    losses = [local_train(m, d, cfg, torch.device("cpu"), seed=s)["loss"]
-              for m, d, s in zip(alone, datas, (1, 2, 3))]
-    stats = local_train_group(grouped, datas, cfg, torch.device("cpu"), seeds=[1, 2, 3])
+    losses, passes = [], []
+    for m, d, s in zip(alone, datas, (1, 2, 3)):
+        with counting_sample_passes() as meter:
+            losses.append(local_train(m, d, cfg, torch.device("cpu"), seed=s)["loss"])
+        passes.append(meter[0])
+    with counting_sample_passes() as meter:
+        stats = local_train_group(grouped, datas, cfg, torch.device("cpu"), seeds=[1, 2, 3])
     assert [s["loss"] for s in stats] == pytest.approx(losses, rel=1e-4)
+    assert [meter[k] for k in range(3)] == passes == [2 * n for n in sizes]  # each client under its index
     for a, b in zip(alone, grouped):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys()

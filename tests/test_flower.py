@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -54,6 +54,9 @@ def assert_same_results(flower: dict, sim: dict) -> None:
         ref = sim["results"][name]
         assert ours["accuracy"] == pytest.approx(ref["accuracy"], abs=1e-6), name
         assert ours["bytes_up"] == ref["bytes_up"] and ours["bytes_down"] == ref["bytes_down"], name
+        # the nodes report their cost beside the upload: the same sample-passes, seconds of their own
+        assert ours.get("client_sample_passes") == ref.get("client_sample_passes"), name
+        assert ("client_seconds" in ours) == ("client_seconds" in ref), name
 
 
 # ---- wire format --------------------------------------------------------------------------------
@@ -182,6 +185,17 @@ def test_fake_grid_equals_simulator_one_shot_and_rounds(tmp_path: Path, task_ide
     flower = serve(rounds, tmp_path / "fl2")
     assert flower["engine"]["name"] == "flower"
     assert_same_results(flower, simulate(rounds, tmp_path / "sim2"))
+    assert flower["results"]["fedavg"]["client_sample_passes"] > 0
+
+
+def test_a_reply_without_its_cost_leaves_the_client_cost_unrecorded(tmp_path: Path, task_identity: None) -> None:
+    def older_node(nid: int, msg: Message, reply: Message) -> Message:  # a node of a hetfl before hetfl.cost
+        return Message(fa.to_record(fa.from_record(reply.content)), reply_to=msg) if nid == 101 else reply
+
+    result = serve(config(methods={"fedavg": {"rounds": 2}}), tmp_path / "fl", older_node)["results"]["fedavg"]
+    assert result["client_sample_passes"] is None and "missing_clients" not in result
+    assert fa.reply_cost(RecordDict({fa.COST: ConfigRecord({"seconds": 1.5, "sample_passes": 40})})) == (1.5, 40)
+    assert fa.reply_cost(RecordDict({fa.COST: ConfigRecord({"seconds": -1.0, "sample_passes": 40})})) is None
 
 
 def test_fake_grid_keeps_each_methods_client_state_apart_and_moon_equals_the_simulator(

@@ -22,6 +22,7 @@ from hetfl.frontier import (
     targets_table,
 )
 from hetfl.methods.checks import validate
+from tests.test_training import slow_sample_passes
 
 
 def slow_front(points: list[tuple[float, float]]) -> set[int]:
@@ -136,3 +137,14 @@ def test_frontier_of_a_one_shot_and_a_multi_round_run(tmp_path: Path, capsys) ->
     assert "| ensemble | one-shot | one shot |" in text and "| fedavg | rounds | 3 |" in text  # the cost table
     assert main(["frontier", str(one), str(rounds), "--out", str(tmp_path / "c"), "--x", "client_seconds"]) == 0
     assert (tmp_path / "c" / "frontier.png").stat().st_size > 10_000
+    # the clients' sample-passes: every sample of every step (2 epochs at batch 32) of the clients that trained
+    sizes = [sum(row) for row in json.loads((rounds / "partition.json").read_text())["counts"]]
+    per_client = [slow_sample_passes(n, 32, 2) for n in sizes]
+    assert int(first[0]["client_sample_passes"]) == shot["client_sample_passes"] == sum(per_client)
+    metrics = [json.loads(line) for line in (rounds / "metrics.jsonl").read_text().splitlines()]
+    trained = [sum(per_client[c] for c in r["clients"]) for r in metrics if r.get("step", 0) >= 1]
+    assert [int(r["client_sample_passes"]) for r in first[1:]] == [sum(trained[:i + 1]) for i in range(3)]
+    assert summary["client_sample_passes"] == sum(trained)
+    assert main(["frontier", str(one), str(rounds), "--out", str(tmp_path / "p"), "--x", "client_passes"]) == 0
+    assert (tmp_path / "p" / "frontier.png").stat().st_size > 10_000
+    assert f" | {sum(per_client):,} |" in capsys.readouterr().out  # the cost table's last column

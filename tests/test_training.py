@@ -12,7 +12,14 @@ from hetfl.fl.checkpoint import TrainCheckpoint, load_momentum, momentum_tensors
 from hetfl.fl.method import derive_seed, sample_clients
 from hetfl.fl.payload import Payload
 from hetfl.fl.train_config import TrainConfig
-from hetfl.fl.training import accuracy_report, evaluate, local_train, minibatches
+from hetfl.fl.training import (
+    accuracy_report,
+    count_sample_passes,
+    counting_sample_passes,
+    evaluate,
+    local_train,
+    minibatches,
+)
 from hetfl.models import build_model
 
 CPU = torch.device("cpu")
@@ -83,6 +90,27 @@ def test_steps_take_that_many_minibatch_steps_over_the_epochs_they_need(syntheti
     finally:
         torch.optim.SGD.step = real_step
     assert len(taken) == steps
+
+
+def slow_sample_passes(n: int, batch_size: int, epochs: int, steps: int | None = None) -> int:
+    """The samples of every step, step by step: whole batches, a trailing one of fewer than 2 dropped."""
+    sizes = [min(batch_size, n - start) for start in range(0, n, batch_size)]
+    sizes = [s for s in sizes if s >= min(2, n)]
+    taken = [s for _ in range(epochs if steps is None else steps) for s in sizes]  # steps: as many epochs as needed
+    return sum(taken[:steps] if steps is not None else taken)
+
+
+@pytest.mark.parametrize(("n", "epochs", "steps"), [(100, 2, None), (65, 3, None), (100, 1, 7), (30, 1, 10)])
+def test_sample_passes_count_the_samples_of_every_step(synthetic_small, n, epochs, steps):
+    data = synthetic_small.train.subset(torch.arange(n))
+    cfg = TrainConfig(epochs=epochs, batch_size=32, lr=0.05, steps=steps)
+    with counting_sample_passes() as outer:
+        with counting_sample_passes() as inner:
+            local_train(build_model("cnn2", 1, 16, data.num_classes), data, cfg, CPU, seed=0)
+        count_sample_passes(5, slot=2)
+    assert inner == {0: slow_sample_passes(n, 32, epochs, steps)}
+    assert outer == {0: inner[0], 2: 5}  # the inner block's count adds to the outer one
+    count_sample_passes(1)  # outside any block: nothing to count into, no error
 
 
 def test_steps_equal_to_whole_epochs_give_the_epochs_bits(synthetic_small):
@@ -200,8 +228,9 @@ def test_interrupted_local_training_resumes_to_the_same_bits(tmp_path, synthetic
     assert (saved.meta["epoch"], saved.meta["step"], saved.meta["count"]) == (2, 8, 240)  # 240 images, 8 batches
     assert {"momentum.0", "rng.batches", "rng.cpu", "epoch_loss"} <= set(saved.tensors)
     assert "rng.cuda" not in saved.tensors and checkpoint.saved_seconds() > 0
-    _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen)
-    assert seen == [3, 4, 5]
+    with counting_sample_passes() as meter:  # the steps before the stop count too
+        _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen)
+    assert seen == [3, 4, 5] and meter[0] == slow_sample_passes(len(data), 32, 5)
     checkpoint.clear()
     assert not checkpoint.path.exists()
 
@@ -226,8 +255,9 @@ def test_a_stop_signal_in_mid_epoch_saves_that_step_and_the_resume_gives_the_sam
     saved = Payload.from_bytes(checkpoint.path.read_bytes()).meta
     assert (saved["epoch"], saved["step"], saved["count"]) == (1, 3, 96)
     seen: list[int] = []
-    _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen)
-    assert seen == [2, 3]
+    with counting_sample_passes() as meter:
+        _resume_and_compare(checkpoint, data, cfg, reference, ref_stats, seen)
+    assert seen == [2, 3] and meter[0] == slow_sample_passes(len(data), 32, 3)
 
 
 def test_sigterm_saves_the_step_before_the_process_ends(tmp_path, synthetic_small):

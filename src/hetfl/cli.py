@@ -390,9 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("runs", nargs="+", help="run folders, or folders of runs (e.g. a reproduce --out)")
     front.add_argument("--out", default="runs/frontier", help="folder for frontier.png and frontier.csv")
     front.add_argument("--x", default="bytes", choices=["bytes", "rounds", "seconds", "client_seconds",
-                                                        "server_seconds"],
+                                                        "server_seconds", "client_passes"],
                        help="x axis (default: bytes, log scale, with the Pareto front); seconds: the method's, or "
-                            "its clients' (summed over clients) or its server's")
+                            "its clients' (summed over clients) or its server's; client_passes: the samples the "
+                            "clients' training steps took (summed over clients, log scale)")
     front.set_defaults(func=cmd_frontier)
 
     part = sub.add_parser("partition", help="print partition stats and write the bubble plot")

@@ -12,7 +12,9 @@ A point's round is the method's evaluation step (HFLDD's steps 1 and 2 are its c
 stages, so its training round r is step r + 2); its seconds are the method's own, cumulative, and split
 where the run recorded it into the clients' seconds (summed over the clients that worked; a one-shot
 method's shared uploads count in full for each method) and the server's (the rest: server stages,
-evaluations, checkpoints).
+evaluations, checkpoints). A point's client sample-passes, where the run recorded them, are the samples
+the clients' optimiser steps took, summed over clients and cumulative
+(:func:`~hetfl.fl.training.counting_sample_passes`): client compute that does not depend on the machine.
 
 The Pareto front of a panel is the set of points that no other point of the panel matches or beats in
 both bytes (fewer or equal) and accuracy (higher or equal), with one of the two strictly better.
@@ -33,7 +35,9 @@ BUDGETS_MIB = (1.0, 10.0, 100.0, 1000.0)
 AXES = {"bytes": "MiB exchanged (all directions, cumulative; log scale)", "rounds": "round",
         "seconds": "seconds (the method's, cumulative)",
         "client_seconds": "the clients' seconds (summed over clients, cumulative)",
-        "server_seconds": "the server's seconds (cumulative)"}
+        "server_seconds": "the server's seconds (cumulative)",
+        "client_passes": "the clients' training sample-passes (summed over clients, cumulative; log scale)"}
+LOG_AXES = ("bytes", "client_passes")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Point:
     seconds: float  # clients' and server's
     client_seconds: float | None = None  # None: the run did not record it
     server: float | None = None  # the server's seconds where recorded (a cached client reply costs it none)
+    client_passes: int | None = None  # the clients' training sample-passes where recorded
 
     @property
     def mib(self) -> float:
@@ -130,7 +135,8 @@ def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[
         accs = selected(rounds, use_val)
         points = [Point(int(r["bytes_up"]) + int(r["bytes_down"]) + int(r.get("bytes_peer", 0)), acc, int(r["step"]),
                         max(0.0, float(r["logged_at"]) - start), _float(r.get("client_seconds")),
-                        _float(r.get("server_seconds"))) for r, acc in zip(rounds, accs)]
+                        _float(r.get("server_seconds")), _int(r.get("client_sample_passes")))
+                  for r, acc in zip(rounds, accs)]
         return Curve(run, method, "rounds", points)
     total = int(result.get("bytes_up", 0)) + int(result.get("bytes_down", 0)) + int(result.get("bytes_peer", 0))
     if total == 0:
@@ -139,11 +145,16 @@ def method_curve(run: str, method: str, result: dict[str, Any], rows: list[dict[
     client, server = _float(result.get("client_seconds")), _float(result.get("server_seconds"))
     seconds = client + server if client is not None and server is not None else float(result.get("seconds", 0.0))
     return Curve(run, method, "one-shot", [Point(total, float(acc if acc is not None else result["accuracy"]), 0,
-                                                 seconds, client if server is not None else None, server)])
+                                                 seconds, client if server is not None else None, server,
+                                                 _int(result.get("client_sample_passes")))])
 
 
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def run_rows(folder: Path, summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -173,14 +184,16 @@ def run_curves(folder: Path, summary: dict[str, Any]) -> tuple[list[Curve], dict
 
 def front_entries(folder: Path, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per method, what a results page needs to draw it (kept in the archive): its family and points
-    ``[round, bytes, accuracy, seconds, client seconds, server seconds]`` (None where not recorded), or the
-    accuracy of a method without communication."""
+    ``[round, bytes, accuracy, seconds, client seconds, server seconds]`` (None where not recorded; the
+    clients' sample-passes as a seventh value where recorded), or the accuracy of a method without
+    communication."""
     curves, references = run_curves(folder, summary)
     out: dict[str, dict[str, Any]] = {m: {"reference": round(a, 2)} for m, a in references.items()}
     for curve in curves:
         out[curve.method] = {"family": curve.family, "points": [
             [p.round, p.bytes, round(p.accuracy, 2), round(p.seconds, 1),
-             *(None if v is None else round(v, 1) for v in (p.client_seconds, p.server))] for p in curve.points]}
+             *(None if v is None else round(v, 1) for v in (p.client_seconds, p.server)),
+             *([p.client_passes] if p.client_passes is not None else [])] for p in curve.points]}
     return out
 
 
@@ -191,9 +204,10 @@ def panel_from_entries(title: str, selection: str, entries: dict[str, dict[str, 
         if "reference" in entry:
             panel.references[method] = float(entry["reference"])
         else:
-            points = [[*p, None, None][:6] for p in entry["points"]]  # archives before the split: 4 values
+            points = [[*p, None, None, None][:7] for p in entry["points"]]  # older archives: 4 or 6 values
             panel.curves.append(Curve(run, method, entry["family"], [
-                Point(int(b), float(a), int(r), float(s), _float(c), _float(v)) for r, b, a, s, c, v in points]))
+                Point(int(b), float(a), int(r), float(s), _float(c), _float(v), _int(n))
+                for r, b, a, s, c, v, n in points]))
     return panel
 
 
@@ -332,7 +346,7 @@ def write_csv(panels: list[Panel], path: Path) -> Path:
     with path.open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["panel", "run", "method", "family", "round", "bytes", "mib", "accuracy", "selection",
-                      "seconds", "client_seconds", "server_seconds", "on_front"])
+                      "seconds", "client_seconds", "server_seconds", "client_sample_passes", "on_front"])
         for number, panel in enumerate(panels, 1):
             front = {(id(c), id(p)) for c, p in panel_front(panel)}
             for curve in panel.curves:
@@ -340,6 +354,7 @@ def write_csv(panels: list[Panel], path: Path) -> Path:
                     out.writerow([number, curve.run, curve.method, curve.family, p.round, p.bytes, f"{p.mib:.4f}",
                                   f"{p.accuracy:.4f}", panel.selection, f"{p.seconds:.2f}",
                                   *("" if v is None else f"{v:.2f}" for v in (p.client_seconds, p.server_seconds)),
+                                  "" if p.client_passes is None else p.client_passes,
                                   int((id(curve), id(p)) in front)])
     return path
 
@@ -347,7 +362,8 @@ def write_csv(panels: list[Panel], path: Path) -> Path:
 def x_value(point: Point, axis: str) -> float | None:
     """The point's value on ``axis``; None where the run did not record it (the clients' seconds)."""
     return {"bytes": point.mib, "rounds": point.round, "seconds": point.seconds,
-            "client_seconds": point.client_seconds, "server_seconds": point.server_seconds}[axis]
+            "client_seconds": point.client_seconds, "server_seconds": point.server_seconds,
+            "client_passes": point.client_passes}[axis]
 
 
 def minutes(point: Point) -> tuple[str, str]:
@@ -357,15 +373,18 @@ def minutes(point: Point) -> tuple[str, str]:
 
 
 def compute_table(panel: Panel) -> str:
-    """Per method, at its last point: MiB, accuracy, and minutes of the clients (summed) and the server."""
+    """Per method, at its last point: MiB, accuracy, minutes of the clients (summed) and the server, and
+    the clients' training sample-passes."""
     pick = "validation-picked" if panel.selection == "val" else "final"
     lines = [f"Cost of each method's whole run ({pick} accuracy at its last point):", "",
-             "| method | family | rounds | MiB | accuracy % | client min | server min |", "|---" * 7 + "|"]
+             "| method | family | rounds | MiB | accuracy % | client min | server min | client sample-passes |",
+             "|---" * 8 + "|"]
     for curve in panel.curves:
         p = curve.points[-1]
         client, server = minutes(p)
+        passes = "-" if p.client_passes is None else f"{p.client_passes:,}"
         lines.append(f"| {curve.method} | {curve.family} | {p.round or 'one shot'} | {p.mib:,.1f} | "
-                     f"{p.accuracy:.2f} | {client} | {server} |")
+                     f"{p.accuracy:.2f} | {client} | {server} | {passes} |")
     return "\n".join(lines)
 
 
@@ -391,7 +410,8 @@ def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.6, 4.0 * rows), squeeze=False, layout="constrained")
     for ax, panel in zip(axes.flat, panels):
         for curve in panel.curves:
-            shown = [(x, p.accuracy) for p in curve.points if (x := x_value(p, axis)) is not None]
+            shown = [(x, p.accuracy) for p in curve.points
+                     if (x := x_value(p, axis)) is not None and (x > 0 or axis not in LOG_AXES)]
             if not shown:
                 continue
             xs, ys = [x for x, _ in shown], [y for _, y in shown]
@@ -405,6 +425,7 @@ def plot(panels: list[Panel], path: Path, axis: str = "bytes") -> Path:
             if front:
                 ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", lw=2.2, alpha=0.3,
                         zorder=1)
+        if axis in LOG_AXES:
             ax.set_xscale("log")
         for method, acc in sorted(panel.references.items()):
             ax.axhline(acc, color="grey", ls=":", lw=1)

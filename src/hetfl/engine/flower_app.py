@@ -46,6 +46,7 @@ from hetfl.engine.experiment import resolve_device
 from hetfl.engine.simulator import Simulator, prepare
 from hetfl.fl.client import ClientEnv, handle
 from hetfl.fl.payload import Payload, PayloadError
+from hetfl.fl.training import counting_sample_passes
 from hetfl.methods.checks import validate
 
 log = logging.getLogger("hetfl")
@@ -53,6 +54,9 @@ log = logging.getLogger("hetfl")
 TRAIN = "train.hetfl"  # run a client task, reply with its upload
 INFO = "query.hetfl_info"  # which partition does this node hold?
 ROUTE = "hetfl.route"  # ConfigRecord of a train message: {"state": the method label whose client state it uses}
+# ConfigRecord of a train reply, beside the upload: {"seconds": the task's seconds on the node, "sample_passes":
+# the samples of its training steps}; outside the payload, so the bytes counted are the upload's alone
+COST = "hetfl.cost"
 
 
 def _state_keys(namespace: str) -> tuple[str, str]:
@@ -205,9 +209,24 @@ def client_task(msg: Message, context: Context) -> Message:
     namespace = str(route["state"]) if route is not None else "default"
     client = int(route["client"]) if route is not None and "client" in route else None
     env = client_env(context, namespace, client)
-    upload = handle(from_record(msg.content), env)
+    start = time.perf_counter()
+    with counting_sample_passes() as meter:
+        upload = handle(from_record(msg.content), env)
+    reply = to_record(upload)
+    reply[COST] = ConfigRecord({"seconds": time.perf_counter() - start, "sample_passes": sum(meter.values())})
     state_to_records(env.state, context, namespace)
-    return Message(to_record(upload), reply_to=msg)
+    return Message(reply, reply_to=msg)
+
+
+def reply_cost(content: RecordDict) -> tuple[float, int] | None:
+    """A train reply's :data:`COST` (the node's seconds and sample-passes); None where it has none or a
+    malformed one (a node of an older hetfl): the run then records no client cost for it."""
+    try:
+        cost = content.config_records[COST]
+        seconds, passes = float(cost["seconds"]), int(cost["sample_passes"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (seconds, passes) if seconds >= 0 and passes >= 0 else None
 
 
 # ---- server side -------------------------------------------------------------------------------
@@ -223,6 +242,7 @@ class FlowerTransport:
         self.info: dict[int, tuple[int, list[int]]] = {}  # client id -> (sample count, label histogram)
         self.refused: dict[int, str] = {}  # node id -> why it holds no client of this run
         self.exchanges = 0
+        self.costs: dict[int, tuple[float, int] | None] = {}  # the last exchange's uploads: client -> reply_cost
 
     def _query(self, nid: int) -> Message:
         content = RecordDict()
@@ -291,6 +311,7 @@ class FlowerTransport:
     def exchange(self, round_: int, messages: dict[int, Payload],
                  namespace: str = "") -> tuple[dict[int, Payload], dict[int, str]]:
         self.exchanges += 1
+        self.costs = {}
         failures = {cid: "no SuperNode holds this partition" for cid in messages if cid not in self.nodes}
         by_node = {self.nodes[cid]: cid for cid in messages if cid in self.nodes}
         out = [Message(to_record(messages[cid], namespace, cid), dst_node_id=nid, message_type=TRAIN,
@@ -307,6 +328,7 @@ class FlowerTransport:
                 continue
             try:
                 uploads[cid] = from_record(reply.content)
+                self.costs[cid] = reply_cost(reply.content)
             except PayloadError as err:
                 failures[cid] = f"upload rejected: {err}"
         for cid in by_node.values():

@@ -185,10 +185,13 @@ class Simulator:
             if one_shot:
                 return self._one_shot_exchange(method, ctx, messages, ledger, relay)
             timing: dict[int, float] = {}
+            passes: dict[int, int | None] = {}
             began = time.perf_counter()
             replies = self.clients.exchange(method, ctx, step, messages, ledger, states, cacheable=cacheable,
-                                            timing=timing, relay=relay, desc=desc or f"{method.name}: round {step}")
-            if timing:  # the clients' own seconds, summed (a remote transport reports none); a cached reply
+                                            timing=timing, relay=relay, desc=desc or f"{method.name}: round {step}",
+                                            passes=passes)
+            add_sample_passes(ctx.record, passes)
+            if timing:  # the clients' own seconds, summed (remote clients report theirs); a cached reply
                 # counts the seconds it took when trained, so the server's are the wall time outside exchanges
                 ctx.record["client_seconds"] = ctx.record.get("client_seconds", 0.0) + sum(timing.values())
                 ctx.record["exchange_seconds"] = ctx.record.get("exchange_seconds", 0.0) + time.perf_counter() - began
@@ -229,6 +232,8 @@ class Simulator:
                     wall = time.perf_counter() - clock["start"]
                     row["client_seconds"] = round(ctx.record["client_seconds"], 3)
                     row["server_seconds"] = round(max(0.0, wall - ctx.record["exchange_seconds"]), 3)
+                if ctx.record.get("client_sample_passes") is not None:
+                    row["client_sample_passes"] = ctx.record["client_sample_passes"]
                 if vals:
                     row["val_accuracy"] = vals[head]
                 if len(models) > 1:
@@ -246,10 +251,13 @@ class Simulator:
         """A one-shot method's exchange: through the upload cache, its clients' seconds, the uploads' digest
         and the missing clients recorded; fewer than ``min_clients`` uploads stop the method."""
         timing: dict[int, float] = {}
+        passes: dict[int, int | None] = {}
         self.clients.cached_calls = 0
         uploads, failures = self.clients.exchange(method, ctx, 0, messages, ledger, {}, cacheable=True,
-                                                  timing=timing, relay=relay, desc=f"{method.name}: local training")
+                                                  timing=timing, relay=relay, desc=f"{method.name}: local training",
+                                                  passes=passes)
         ctx.record["client_seconds"] = ctx.record.get("client_seconds", 0.0) + sum(timing.values())
+        add_sample_passes(ctx.record, passes)
         ctx.record["uploads_sha256"] = uploads_digest(uploads)
         if self.clients.transport is None:
             ctx.record["cached_uploads"] = self.clients.cached_calls
@@ -525,3 +533,15 @@ def save_models(models: dict[str, nn.Module], folder: Path) -> None:
         arch = getattr(model, "arch", type(model).__name__)
         safe = key.replace("[", "_").replace("]", "")
         save_file(state, str(folder / f"{safe}.safetensors"), metadata={"arch": str(arch), "name": key})
+
+
+def add_sample_passes(record: dict[str, Any], passes: dict[int, int | None]) -> None:
+    """Add an exchange's client sample-passes to ``record["client_sample_passes"]`` (cumulative); None from
+    the first client that did not record them (a cached upload from before they were counted) on."""
+    if not passes:
+        return
+    if None in passes.values() or ("client_sample_passes" in record and record["client_sample_passes"] is None):
+        record["client_sample_passes"] = None
+    else:
+        record["client_sample_passes"] = int(record.get("client_sample_passes", 0)) + sum(
+            int(v) for v in passes.values() if v is not None)

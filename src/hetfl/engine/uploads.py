@@ -29,6 +29,7 @@ from hetfl.fl.client import ClientEnv, group_key, handle, handle_group
 from hetfl.fl.comm import CommLedger
 from hetfl.fl.method import Method, ServerContext
 from hetfl.fl.payload import Payload, PayloadError
+from hetfl.fl.training import counting_sample_passes
 from hetfl.host import flush_denormal_setting, flush_denormals
 
 log = logging.getLogger("hetfl")
@@ -39,8 +40,10 @@ class Transport(Protocol):
 
     ``exchange`` returns the uploads that arrived and, for every other addressed client, the
     reason it is missing (timeout, error reply, not connected); ``namespace`` (the method's label)
-    keys the clients' state, so two methods of one run never see each other's. The simulator's own
-    default is in-process and needs no transport."""
+    keys the clients' state, so two methods of one run never see each other's. After an exchange, an
+    optional ``costs`` attribute (client -> (seconds, sample-passes) as the client measured them, or None)
+    gives the clients' cost of its uploads. The simulator's own default is in-process and needs no
+    transport."""
 
     def exchange(self, round_: int, messages: dict[int, Payload],
                  namespace: str = "") -> tuple[dict[int, Payload], dict[int, str]]: ...
@@ -83,16 +86,21 @@ class ClientExchange:
         self.progress = progress
         self.cached_calls = 0  # uploads read from the cache (the simulator resets it per one-shot stage)
         self.trained_uploads = 0  # uploads trained and put into the cache (all exchanges)
-        self._answered: dict[tuple[int, str], Payload] = {}  # remote one-shot uploads of this run
+        # remote one-shot uploads of this run, with their clients' cost (seconds, sample-passes)
+        self._answered: dict[tuple[int, str], tuple[Payload, tuple[float, int] | None]] = {}
         # called after each local client call: (method label, round, clients done, clients asked)
         self.on_client: Callable[[str, int, int, int], None] | None = None
 
     def exchange(self, method: Method, ctx: ServerContext, round_: int, messages: dict[int, Payload],
                  ledger: CommLedger, states: dict[int, dict], cacheable: bool,
                  timing: dict[int, float] | None = None, desc: str = "",
-                 relay: dict[int, int] | None = None) -> tuple[dict[int, Payload], dict[int, str]]:
+                 relay: dict[int, int] | None = None,
+                 passes: dict[int, int | None] | None = None) -> tuple[dict[int, Payload], dict[int, str]]:
         """Send ``messages``, collect the uploads, and keep those ``method.validate_upload``
-        accepts; returns them and, per other addressed client, why it is left out. Missing and rejected
+        accepts; returns them and, per other addressed client, why it is left out. ``timing`` and
+        ``passes`` receive each local client's seconds and training sample-passes
+        (:func:`~hetfl.fl.training.counting_sample_passes`; None: a cached upload that did not record
+        them), from a remote transport what its clients report (its ``costs``). Missing and rejected
         clients are logged and recorded, never fatal here. ``relay`` {sender: receiver}: those clients'
         uploads are data for another client, forwarded by the server, and count once, as ``peer``."""
         failures: dict[int, str] = {}
@@ -105,13 +113,18 @@ class ClientExchange:
             uploads = {}
             for done, cid in enumerate(bar, 1):
                 uploads[cid] = self._client(cid, messages[cid], round_, ledger, states, cacheable, timing, bar,
-                                            trained.get(cid), up[cid])
+                                            trained.get(cid), up[cid], passes)
                 if self.on_client is not None:
                     self.on_client(method.name, round_, done, len(messages))
         else:
-            uploads, failures = self._remote(round_, messages, cacheable, method.name)
+            uploads, failures, costs = self._remote(round_, messages, cacheable, method.name)
             for cid, upload in uploads.items():
                 ledger.add_payload(round_, cid, up[cid], upload)
+                cost = costs.get(cid)
+                if timing is not None and cost is not None:
+                    timing[cid] = cost[0]
+                if passes is not None:
+                    passes[cid] = None if cost is None else cost[1]
         accepted: dict[int, Payload] = {}
         for cid, upload in sorted(uploads.items()):
             try:
@@ -132,28 +145,31 @@ class ClientExchange:
         uploads = {cid: self.cache.get(self._key(cid, message)) for cid, message in messages.items()}
         return {cid: upload for cid, upload in uploads.items() if upload is not None}
 
-    def _remote(self, round_: int, messages: dict[int, Payload], cacheable: bool,
-                namespace: str) -> tuple[dict[int, Payload], dict[int, str]]:
-        """Through the transport. A cacheable request a client already answered in this run (the
-        same one-shot request from another method) is answered from memory, so every one-shot
-        method gets the byte-identical upload and the client trains once; bytes are counted as
-        if sent, as with the local upload cache."""
+    def _remote(self, round_: int, messages: dict[int, Payload], cacheable: bool, namespace: str
+                ) -> tuple[dict[int, Payload], dict[int, str], dict[int, tuple[float, int] | None]]:
+        """Through the transport; also returns each upload's client cost (the transport's ``costs``). A
+        cacheable request a client already answered in this run (the same one-shot request from another
+        method) is answered from memory, so every one-shot method gets the byte-identical upload and the
+        client trains once; bytes and cost are counted as if sent, as with the local upload cache."""
         keys = {cid: (cid, m.sha256()) for cid, m in messages.items()}
         known = {cid: self._answered[k] for cid, k in keys.items() if cacheable and k in self._answered}
         todo = {c: m for c, m in messages.items() if c not in known}
         uploads, failures = self.transport.exchange(round_, todo, namespace) if todo else ({}, {})
+        reported = getattr(self.transport, "costs", {}) if todo else {}
+        costs = {cid: reported.get(cid) for cid in uploads}
         if cacheable:
-            self._answered.update({keys[cid]: up for cid, up in uploads.items()})
-        return {**uploads, **known}, failures
+            self._answered.update({keys[cid]: (up, costs[cid]) for cid, up in uploads.items()})
+        return ({**uploads, **{c: up for c, (up, _) in known.items()}}, failures,
+                {**costs, **{c: cost for c, (_, cost) in known.items()}})
 
     def _client(self, cid: int, message: Payload, round_: int, ledger: CommLedger,
                 states: dict[int, dict], cacheable: bool, timing: dict[int, float] | None = None,
-                bar: tqdm | None = None, trained: tuple[Payload, float] | None = None,
-                direction: str = "up") -> Payload:
-        """One client call through the cache (``trained``: its upload and seconds from a group that
-        trained together, :meth:`_train_groups`). Bytes are counted whether or not the upload was
-        cached (the transfer would have happened); timing stays out of the payload so that the
-        bytes are deterministic."""
+                bar: tqdm | None = None, trained: tuple[Payload, float, int] | None = None,
+                direction: str = "up", passes: dict[int, int | None] | None = None) -> Payload:
+        """One client call through the cache (``trained``: its upload, seconds and sample-passes from a
+        group that trained together, :meth:`_train_groups`). Bytes are counted whether or not the upload
+        was cached (the transfer would have happened); timing and sample-passes stay out of the payload,
+        so that the bytes are the same with or without them."""
         exp = self.exp
         key = self._key(cid, message) if cacheable and self.cache else None
         upload = self.cache.get(key) if key and trained is None else None
@@ -161,7 +177,7 @@ class ClientExchange:
             start = time.perf_counter()
             checkpoint = None
             if trained is not None:
-                upload, seconds = trained
+                upload, seconds, samples = trained
             else:
                 env = self._env(cid, states, bar)
                 if key and self.checkpoint_every_s is not None:
@@ -170,8 +186,9 @@ class ClientExchange:
                 if prior:
                     log.warning("client %d: local training goes on from its checkpoint (%.0f s of it done "
                                 "before): %s", cid, prior, checkpoint.path)
-                upload = handle(message, env)
-                seconds = prior + time.perf_counter() - start
+                with counting_sample_passes() as meter:
+                    upload = handle(message, env)
+                seconds, samples = prior + time.perf_counter() - start, sum(meter.values())
             if key:
                 self.trained_uploads += 1
                 # the thread count is recorded, not keyed: CPU kernels split their sums by thread,
@@ -179,23 +196,27 @@ class ClientExchange:
                 self.cache.put(key, upload, {"fingerprint": self._fingerprint(cid), "request": message.meta,
                                              "request_tensors": sorted(message.tensors),
                                              "keyed_for": {"torch": torch.__version__, "device": exp.device.type},
-                                             "seconds": seconds, "torch_threads": torch.get_num_threads(),
+                                             "seconds": seconds, "sample_passes": samples,
+                                             "torch_threads": torch.get_num_threads(),
                                              **({"resumed_after_seconds": prior} if checkpoint and prior else {})})
             if checkpoint is not None:
                 checkpoint.clear()
         else:  # report the time it took when it was trained, so cached methods show the same cost
-            seconds = float(self.cache.info(key).get("seconds", 0.0))
+            info = self.cache.info(key)
+            seconds, samples = float(info.get("seconds", 0.0)), info.get("sample_passes")
             self.cached_calls += 1
         if timing is not None:
             timing[cid] = seconds
+        if passes is not None:
+            passes[cid] = samples
         ledger.add_payload(round_, cid, direction, upload)
         return upload
 
     def _train_groups(self, messages: dict[int, Payload], states: dict[int, dict], cacheable: bool,
-                      bar: tqdm | None = None) -> dict[int, tuple[Payload, float]]:
+                      bar: tqdm | None = None) -> dict[int, tuple[Payload, float, int]]:
         """With ``batch_clients``: the requests not in the cache whose :func:`group_key` they share with
-        another, trained group by group (:func:`handle_group`); client -> (upload, seconds, an equal
-        share of its group's)."""
+        another, trained group by group (:func:`handle_group`); client -> (upload, seconds: an equal
+        share of its group's, its own sample-passes)."""
         groups: dict[Any, list[int]] = {}
         for cid, message in messages.items():
             if cacheable and self.cache and self.cache.has(self._key(cid, message)):
@@ -203,14 +224,15 @@ class ClientExchange:
             key = group_key(message, self._env(cid, states))
             if key is not None:
                 groups.setdefault(key, []).append(cid)
-        done: dict[int, tuple[Payload, float]] = {}
+        done: dict[int, tuple[Payload, float, int]] = {}
         for cids in (c for c in groups.values() if len(c) > 1):
             start = time.perf_counter()
             label = f"{cids[0]}-{cids[-1]} ({len(cids)} at once)"
             envs = [self._env(cid, states, bar, label) for cid in cids]
-            uploads = handle_group([messages[cid] for cid in cids], envs)
+            with counting_sample_passes() as meter:
+                uploads = handle_group([messages[cid] for cid in cids], envs)
             seconds = (time.perf_counter() - start) / len(cids)
-            done.update({cid: (upload, seconds) for cid, upload in zip(cids, uploads)})
+            done.update({cid: (upload, seconds, meter[k]) for k, (cid, upload) in enumerate(zip(cids, uploads))})
         return done
 
     def _env(self, cid: int, states: dict[int, dict], bar: tqdm | None = None, label: str = "") -> ClientEnv:

@@ -36,7 +36,7 @@ from hetfl.fl.client import ClientEnv, client_task
 from hetfl.fl.datafree import kl_div
 from hetfl.fl.payload import Payload, PayloadError
 from hetfl.fl.precision import autocast, check_precision
-from hetfl.fl.training import accuracy_report, minibatches, prepare
+from hetfl.fl.training import accuracy_report, count_sample_passes, minibatches, prepare
 from hetfl.models.cvae import CVAE, build_cvae, decoder_state
 
 
@@ -86,6 +86,7 @@ def train_cvae_model(model: CVAE, data: Any, cfg: CVAETrain, device: torch.devic
             opt.zero_grad(set_to_none=True)
             (recon + kl).backward()
             opt.step()
+            count_sample_passes(len(idx))
             sums += torch.stack([recon.detach(), kl.detach()]).cpu() * len(idx)
             count += len(idx)
         stats = {"recon": float(sums[0] / max(count, 1)), "kl": float(sums[1] / max(count, 1))}

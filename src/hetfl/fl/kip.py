@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from hetfl.fl.training import count_sample_passes
+
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -93,6 +95,7 @@ def distill(x: torch.Tensor, y: torch.Tensor, num_classes: int, size: int, steps
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        count_sample_passes(len(x_s) + len(pick))
         if on_step is not None:
             on_step(step, float(loss))
     return x_s.detach().clamp(0, 1).float(), y[index].clone()

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetfl.fl.training import count_sample_passes
+
 PREV_MODEL = "prev_model."  # client-state prefix of MOON's previous local model
 
 
@@ -237,6 +239,7 @@ class FedCOGTerm(Term):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            count_sample_passes(len(self.y))
         self.x = x.detach()
         with torch.no_grad():
             self.target = F.softmax(self.global_model(self.x), dim=1)

@@ -4,7 +4,8 @@
 change the local objective (FedProx, MOON, KD terms, ...) pass ``loss_fn`` instead of copying the
 loop. ``local_train_group`` trains several clients of one architecture at once as one vectorised
 network. ``evaluate`` gives top-1 and per-class accuracy on a test split (``predict_logits``, the
-logits alone).
+logits alone). :func:`counting_sample_passes` counts the samples the client loops train on (a
+machine-independent measure of client compute).
 
 The settings are a :class:`~hetfl.fl.train_config.TrainConfig`; bf16 autocast comes from
 :mod:`hetfl.fl.precision` and a local training's resumable state from :mod:`hetfl.fl.checkpoint`.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,12 +33,41 @@ from hetfl.fl.train_config import TrainConfig, steps_per_epoch
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+_METERS = threading.local()
+
+
+@contextlib.contextmanager
+def counting_sample_passes() -> Iterator[Counter[int]]:
+    """Count, inside the block, the samples of the optimiser steps a client's loops take: one a sample
+    a step, in :func:`local_train` (the steps of a resumed training's earlier part too),
+    :func:`local_train_group` (under each client's index in the group; else under 0), the CVAE loop, and
+    the synthesis steps of KIP (support set and target batch) and FedCOG (its synthetic batch). A loss
+    term's extra forward passes (frozen teachers, MOON's models) are not counted. Nested blocks add
+    their count to the enclosing one."""
+    stack: list[Counter[int]] = _METERS.__dict__.setdefault("stack", [])
+    meter: Counter[int] = Counter()
+    stack.append(meter)
+    try:
+        yield meter
+    finally:
+        stack.pop()
+        if stack:
+            stack[-1].update(meter)
+
+
+def count_sample_passes(samples: int, slot: int = 0) -> None:
+    """Add ``samples`` to the innermost :func:`counting_sample_passes` block of this thread (none: no-op)."""
+    stack = _METERS.__dict__.get("stack")
+    if stack:
+        stack[-1][slot] += int(samples)
+
+
 def prepare(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
     model = model.to(device)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def minibatches(n: int, batch_size: int, generator: torch.Generator, shuffle: bool = True,
+def minibatches(n: int, batch_size: int, generator: torch.Generator | None, shuffle: bool = True,
                 min_batch: int = 2) -> Iterator[torch.Tensor]:
     """Index batches over ``range(n)``; a trailing batch smaller than ``min_batch`` is dropped
     (BatchNorm cannot train on one sample)."""
@@ -91,16 +123,20 @@ def local_train(
         began = saved_at = time.monotonic()
         done_before = state.seconds
         per_epoch = steps_per_epoch(len(data), cfg.batch_size)
+        if state.epoch:  # whole epochs of a resumed training's earlier part
+            count_sample_passes(state.epoch * sum(len(i) for i in minibatches(len(data), cfg.batch_size, None,
+                                                                                  shuffle=False)))
         for epoch in range(state.epoch, cfg.epochs_needed(len(data))):
             if epoch > state.epoch or state.batches is None:
                 state = TrainState(epoch, 0, generator.get_state(), loss=state.loss, seconds=state.seconds)
             # the loss sum stays on the device: no host-device sync per step on a GPU, one per epoch
             total = torch.full((), state.total, dtype=torch.float64, device=device)
             for step, idx in enumerate(minibatches(len(data), cfg.batch_size, generator)):
-                if step < state.step:
-                    continue  # done before the resume
                 if cfg.steps is not None and epoch * per_epoch + step >= cfg.steps:
                     break
+                count_sample_passes(len(idx))
+                if step < state.step:
+                    continue  # done before the resume
                 x, y = data.batch(idx, device)
                 if cfg.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
@@ -195,6 +231,8 @@ def local_train_group(
                     loss = _group_losses(losses_of, params, buffers, idx if len(group) < k else None, x, y)
                 losses.append(loss)
                 total.index_add_(0, idx, loss.detach().double() * size)
+                for c in group:
+                    count_sample_passes(size, slot=c)
             sgd.zero_grad()
             torch.cat(losses).sum().backward()
             if cfg.grad_clip:
