@@ -381,6 +381,7 @@ def test_the_frontier_smoke_grid_draws_every_method_on_bytes_and_regenerates_fro
     text = page.read_text()
     assert "#### Synthetic (the smoke budget), Dirichlet(0.5), seed 0" in text
     assert "| byte budget | best accuracy % (validation-picked) |" in text
+    assert "the clients' training sample-passes in millions" in text  # a new run counts them
     assert (tmp_path / "page" / "frontier-smoke-synthetic.png").is_file()
     archived = json.loads((tmp_path / "page" / "frontier-runs.json").read_text())["frontier-synthetic-0.5-s0-smoke"]
     fronts = {label: r["front"] for label, r in archived["results"].items()}
@@ -390,3 +391,19 @@ def test_the_frontier_smoke_grid_draws_every_method_on_bytes_and_regenerates_fro
     assert main(["reproduce", "frontier", "--report-only", "--out", str(tmp_path / "no-runs"), "--results",
                  str(page)]) == 0
     assert page.read_text() == first  # the archive alone gives the same page
+
+
+def test_the_frontier_cost_table_adds_sample_passes_only_for_the_cells_that_counted_them():
+    from hetfl.frontier import Curve, Panel, Point
+    from hetfl.reproduce.frontier_page import cost_table
+
+    def panel(title: str, passes: int | None) -> Panel:
+        point = Point(bytes=1, accuracy=50.0, round=3, seconds=90.0, client_seconds=60.0, server=30.0,
+                      client_passes=passes)
+        return Panel(key=(title,), title=title, selection="val", curves=[Curve("run", "FedAvg", "rounds", [point])])
+
+    old = cost_table([("old", panel("old", None))])
+    assert old[-2] == "| FedAvg | 1.0 / 0.5 |" and "sample-passes" not in old[2]
+    both = cost_table([("old", panel("old", None)), ("new", panel("new", 2_345_678))])
+    assert both[-2] == "| FedAvg | 1.0 / 0.5 | 1.0 / 0.5 / 2.35M |" and "sample-passes in millions" in both[2]
+    assert cost_table([("new", panel("new", 2_345_678))])[-3] == "|---|---|"

@@ -1,6 +1,7 @@
 """The results page of ``hetfl reproduce frontier`` (a paper YAML with ``report: frontier``): per budget and
 dataset, one figure of accuracy against bytes with a panel per setting, the two tables of
-:mod:`hetfl.frontier` per setting; per budget, the minutes of every method's clients and server in each
+:mod:`hetfl.frontier` per setting; per budget, the minutes of every method's clients and server (and the
+clients' sample-passes where counted) in each
 cell; then the hand-written ``papers/<name>-differ.md`` ("What the frontier
 shows"). Built from the archived cells' per-method points (``front`` in ``<page>-runs.json``) and the finished
 cells of the runs folder, so ``--report-only`` regenerates it byte for byte."""
@@ -11,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hetfl.frontier import Panel, markdown_tables, minutes, panel_from_entries, plot
+from hetfl.frontier import Panel, Point, markdown_tables, minutes, panel_from_entries, plot
 from hetfl.reproduce.paper import Paper, cell_name
 from hetfl.reproduce.report import ARCHIVE_SUFFIX, MAX_SEEDS, load_cells, protocol_optimiser
 
@@ -64,21 +65,31 @@ def budget_section(paper: Paper, cells: dict[str, Any], budget: str, results: Pa
     return lines + cost_table(costs)
 
 
+def cost_cell(point: Point | None) -> str:
+    """``client min / server min``, then ``/ passes`` (the clients' sample-passes in millions) where counted."""
+    if point is None:
+        return "-"
+    passes = [] if point.client_passes is None else [f"{point.client_passes / 1e6:,.2f}M"]
+    return " / ".join([*minutes(point), *passes])
+
+
 def cost_table(costs: list[tuple[str, Panel]]) -> list[str]:
     """Per method and cell, at its last point: minutes of its clients (summed over clients; the one-shot
-    methods' shared upload counted for each) / of its server."""
+    methods' shared upload counted for each) / of its server, and the clients' sample-passes where the cell
+    counted them."""
     if not costs:
         return []
     methods = list(dict.fromkeys(c.method for _, panel in costs for c in panel.curves))
+    counted = any(p.client_passes is not None for _, panel in costs for c in panel.curves for p in c.points)
     lines = ["### Compute per method", "", "Minutes of the clients (summed over the clients that trained; the "
              "one-shot methods share one upload, counted for each) / of the server (its stages, evaluations "
-             "and checkpoints), over the whole run.", "",
+             "and checkpoints), over the whole run"
+             + ("; then, in the cells that counted them, the clients' training sample-passes in millions (one "
+                "a sample an optimiser step, summed over the clients)." if counted else "."), "",
              "| method | " + " | ".join(title for title, _ in costs) + " |", "|---" * (len(costs) + 1) + "|"]
     for method in methods:
-        cells = []
-        for _, panel in costs:
-            point = next((c.points[-1] for c in panel.curves if c.method == method), None)
-            cells.append("-" if point is None else " / ".join(minutes(point)))
+        cells = [cost_cell(next((c.points[-1] for c in panel.curves if c.method == method), None))
+                 for _, panel in costs]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines + [""]
 
