@@ -1,10 +1,9 @@
 """The results page of ``hetfl reproduce frontier`` (a paper YAML with ``report: frontier``): per budget and
 dataset, one figure of accuracy against bytes with a panel per setting, the two tables of
 :mod:`hetfl.frontier` per setting; per budget, the minutes of every method's clients and server (and the
-clients' sample-passes where counted) in each
-cell; then the hand-written ``papers/<name>-differ.md`` ("What the frontier
-shows"). Built from the archived cells' per-method points (``front`` in ``<page>-runs.json``) and the finished
-cells of the runs folder, so ``--report-only`` regenerates it byte for byte."""
+clients' sample-passes where counted) in each cell; then the hand-written ``papers/<name>-differ.md`` ("What
+the frontier shows"). Built from the archived cells' per-method points (``front`` in ``<page>-runs.json``) and
+the finished cells of the runs folder, so ``--report-only`` regenerates it byte for byte."""
 
 from __future__ import annotations
 
