@@ -513,7 +513,10 @@ class Simulator:
             **({"minutes": self.prior_minutes + (time.perf_counter() - self._created) / 60}
                if self.prior_minutes is not None else {}),
         }
-        (self.out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
+        # atomic: a page rewritten while this cell runs (another cell of the grid finished) never reads half a file
+        tmp = self.out_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(json_safe(summary), indent=1))
+        os.replace(tmp, self.out_dir / "summary.json")
         return summary
 
 
